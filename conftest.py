@@ -1,0 +1,57 @@
+"""Session fixtures shared by every test in the workspace: tiny offline models and one real vLLM server.
+
+The server is started once per test session (start-up takes 25-90 s on 2 cores) and every test that
+needs a generation server uses it. Tests that change the server's weights or adapters restore them
+before they return, so test order never matters.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tools.dev_server import VLLMServer
+from tools.tiny_models import TinyModelSpec, build_tokenizer, save_tiny_model
+
+SERVER_MAX_LORAS = 4
+SERVER_MAX_LORA_RANK = 8
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory) -> Path:
+    """A tiny dense Qwen3-style model with the tool-calling chat template."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), TinyModelSpec(kind="qwen3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_dir(tmp_path_factory) -> Path:
+    """A tiny Gated DeltaNet hybrid (transformers' qwen3_5 text model): 3 linear-attention layers, 1 full."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-hybrid"), TinyModelSpec(kind="hybrid", num_layers=4))
+
+
+@pytest.fixture(scope="session")
+def tool_tokenizer():
+    """The tool-calling tokenizer of `tiny_qwen3_dir` (same vocabulary, built in memory)."""
+    return build_tokenizer(template="tools")
+
+
+@pytest.fixture(scope="session")
+def rewrite_tokenizer():
+    """Same vocabulary as `tool_tokenizer`; its template strips <think> from earlier assistant turns."""
+    return build_tokenizer(template="history_rewrite")
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_qwen3_dir):
+    """One real CPU vLLM server for the whole session, serving `tiny_qwen3_dir` with runtime LoRA on."""
+    server = VLLMServer(
+        model_dir=tiny_qwen3_dir,
+        extra_args=[
+            "--enable-lora",
+            "--max-lora-rank", str(SERVER_MAX_LORA_RANK),
+            "--max-loras", str(SERVER_MAX_LORAS),
+        ],
+    )  # fmt: skip
+    with server:
+        yield server
