@@ -34,7 +34,9 @@ def test_token_id_prompt_returns_ids_logprobs_and_top_alternatives(vllm_server, 
     assert choice["prompt_token_ids"] == prompt
     assert [int(t.removeprefix("token_id:")) for t in logprobs["tokens"]] == token_ids
     assert all(lp <= 0.0 for lp in logprobs["token_logprobs"])
-    for sampled, sampled_lp, top in zip(token_ids, logprobs["token_logprobs"], logprobs["top_logprobs"], strict=True):
+    for sampled, sampled_lp, top in zip(
+        token_ids, logprobs["token_logprobs"], logprobs["top_logprobs"], strict=True
+    ):
         ids = {int(key.removeprefix("token_id:")): lp for key, lp in top.items()}
         assert TOP_N <= len(ids) <= TOP_N + 1  # the top N, plus the sampled token when it is not among them
         assert ids[sampled] == sampled_lp

@@ -69,7 +69,11 @@ def test_no_package_imports_another_packages_private_modules(name):
     for path in (p for root in roots for p in root.rglob("*.py")):
         for module in _imported_modules(path):
             parts = module.split(".")
-            if parts[0].startswith("agrpo_") and parts[0] != own and any(p.startswith("_") for p in parts[1:]):
+            if (
+                parts[0].startswith("agrpo_")
+                and parts[0] != own
+                and any(p.startswith("_") for p in parts[1:])
+            ):
                 offenders.append(f"{path.relative_to(ROOT)}: {module}")
     assert not offenders, f"import other packages only from their root: {offenders}"
 

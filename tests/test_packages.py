@@ -45,7 +45,9 @@ def _declared(distribution: str) -> set[str]:
 def test_package_declares_the_dependencies_of_spec_0_1(distribution):
     declared = _declared(distribution)
     assert REQUIRED[distribution] <= declared, f"{distribution} lacks {REQUIRED[distribution] - declared}"
-    assert not declared & FORBIDDEN[distribution], f"{distribution} must not depend on {declared & FORBIDDEN[distribution]}"
+    assert not declared & FORBIDDEN[distribution], (
+        f"{distribution} must not depend on {declared & FORBIDDEN[distribution]}"
+    )
 
 
 @pytest.mark.parametrize("distribution", sorted(REQUIRED))

@@ -111,4 +111,6 @@ def test_median_function_stays_short():
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
     )
     assert lengths, "no functions found: the source directories moved?"
-    assert lengths[len(lengths) // 2] <= 15, f"median function is {lengths[len(lengths) // 2]} lines; aim 10-15"
+    assert lengths[len(lengths) // 2] <= 15, (
+        f"median function is {lengths[len(lengths) // 2]} lines; aim 10-15"
+    )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tools.tiny_models import TinyModelSpec, build_model, build_tokenizer
+from tools.tiny_models import TinyModelSpec, build_model
 
 TOOLS = [
     {
@@ -13,7 +13,10 @@ TOOLS = [
         "function": {
             "name": "add",
             "description": "Add two integers.",
-            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            },
         },
     }
 ]
@@ -35,7 +38,9 @@ def test_tokenizer_size_equals_model_vocab(tool_tokenizer):
 
 
 def test_tool_template_renders_tools_and_calls_in_order(tool_tokenizer):
-    text = tool_tokenizer.apply_chat_template(CONVERSATION, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    text = tool_tokenizer.apply_chat_template(
+        CONVERSATION, tools=TOOLS, tokenize=False, add_generation_prompt=True
+    )
     assert '"name": "add"' in text and "<tools>" in text
     assert '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>' in text
     assert "<tool_response>\n5\n</tool_response>" in text
@@ -45,10 +50,14 @@ def test_tool_template_renders_tools_and_calls_in_order(tool_tokenizer):
 def test_history_rewrite_template_breaks_the_token_prefix(tool_tokenizer, rewrite_tokenizer):
     """The next turn's prompt no longer extends the tokens of the turn the model sampled: a fork."""
     sampled = rewrite_tokenizer.apply_chat_template(CONVERSATION[:3], tokenize=True)["input_ids"]
-    next_prompt = rewrite_tokenizer.apply_chat_template(CONVERSATION, tokenize=True, add_generation_prompt=True)
+    next_prompt = rewrite_tokenizer.apply_chat_template(
+        CONVERSATION, tokenize=True, add_generation_prompt=True
+    )
     assert next_prompt["input_ids"][: len(sampled)] != sampled
     kept = tool_tokenizer.apply_chat_template(CONVERSATION, tokenize=True, add_generation_prompt=True)
-    assert kept["input_ids"][: len(sampled)] == tool_tokenizer.apply_chat_template(CONVERSATION[:3])["input_ids"]
+    assert (
+        kept["input_ids"][: len(sampled)] == tool_tokenizer.apply_chat_template(CONVERSATION[:3])["input_ids"]
+    )
     assert "<think>" not in rewrite_tokenizer.decode(next_prompt["input_ids"])
 
 
@@ -62,7 +71,9 @@ def test_saved_models_load_offline_and_are_deterministic(tiny_qwen3_dir, tiny_hy
     ids = torch.tensor([tool_tokenizer.encode("What is 2 + 3?")])
     for directory, kind in [(tiny_qwen3_dir, "qwen3"), (tiny_hybrid_dir, "hybrid")]:
         loaded = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True).eval()
-        rebuilt = build_model(TinyModelSpec(kind=kind, num_layers=loaded.config.num_hidden_layers), tool_tokenizer)
+        rebuilt = build_model(
+            TinyModelSpec(kind=kind, num_layers=loaded.config.num_hidden_layers), tool_tokenizer
+        )
         with torch.no_grad():
             torch.testing.assert_close(loaded(ids).logits, rebuilt(ids).logits)
         assert len(AutoTokenizer.from_pretrained(directory)) == loaded.config.vocab_size

@@ -45,7 +45,9 @@ def _env_python(env_dir: Path) -> Path:
 def _imports_vllm(python: Path) -> bool:
     if not python.exists():
         return False
-    probe = subprocess.run([str(python), "-c", "import vllm.entrypoints.openai.api_server"], capture_output=True)
+    probe = subprocess.run(
+        [str(python), "-c", "import vllm.entrypoints.openai.api_server"], capture_output=True
+    )
     return probe.returncode == 0
 
 
@@ -71,7 +73,9 @@ def ensure_vllm_env(env_dir: Path = DEFAULT_ENV_DIR) -> Path:
             if done.returncode != 0 and "uninstall" not in step:
                 raise DevServerError(f"{' '.join(step)} failed:\n{done.stderr[-3000:]}")
         if not _imports_vllm(python):
-            raise DevServerError(f"{env_dir} was installed but `import vllm` still fails; delete it and retry")
+            raise DevServerError(
+                f"{env_dir} was installed but `import vllm` still fails; delete it and retry"
+            )
         return python
 
 
@@ -147,7 +151,11 @@ class VLLMServer:
         self.log_path = self.log_path or self.model_dir / "vllm-server.log"
         log = open(self.log_path, "w")  # noqa: SIM115 - the child process writes to it until stop()
         self.process = subprocess.Popen(
-            self.command(python), stdout=log, stderr=subprocess.STDOUT, env=self._process_env(), start_new_session=True
+            self.command(python),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self._process_env(),
+            start_new_session=True,
         )
         self._wait_healthy()
         return self
@@ -166,7 +174,9 @@ class VLLMServer:
                     return
             time.sleep(1.0)
         self.stop()
-        raise DevServerError(f"vLLM did not become healthy in {self.startup_timeout_s:.0f} s:\n{self.log_tail()}")
+        raise DevServerError(
+            f"vLLM did not become healthy in {self.startup_timeout_s:.0f} s:\n{self.log_tail()}"
+        )
 
     def _check_own_server(self) -> None:
         models = httpx.get(f"{self.url}/v1/models", timeout=10).json()["data"]

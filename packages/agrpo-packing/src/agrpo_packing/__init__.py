@@ -1,13 +1,34 @@
 """agrpo-packing: prefix-tree packing of training sequences that share prefixes.
 
-See the package README for the map of modules and what to read first.
+See the package README for the map of modules and what to read first. Test helpers (hypothesis
+strategy, seeded GRPO data, the packed-equals-alone assertion) live in the public submodule
+`agrpo_packing.testing`.
 """
 
 from importlib.metadata import version as _version
 
+from ._exceptions import PackingError, RowFullError
+from ._micro_batch import MicroBatch
 from ._packed_row import PackedRow
+from ._packing_config import PackingConfig
+from ._planner import Planner
+from ._row_reference import UnpackedSample, reference_logprobs, token_path, unpack
 from ._sample import PackSample
+from ._tree_row import TreeRow
 
 __version__ = _version("agrpo-packing")
 
-__all__ = ["PackSample", "PackedRow"]
+__all__ = [
+    "MicroBatch",
+    "PackSample",
+    "PackedRow",
+    "PackingConfig",
+    "PackingError",
+    "Planner",
+    "RowFullError",
+    "TreeRow",
+    "UnpackedSample",
+    "reference_logprobs",
+    "token_path",
+    "unpack",
+]

@@ -11,7 +11,13 @@ the contiguous packed positions `q_offsets[s]:q_offsets[s+1]` and its parent com
 Attention for segment s: queries = its own positions; keys/values = `kv_index[kv_offsets[s]:
 kv_offsets[s+1]]` (ancestor positions root first, then its own), causal, aligned bottom-right (the
 last query sees every key). This is exactly the varlen (cu_seqlens) calling convention after
-gathering K/V with `kv_index`.
+gathering K/V with `kv_index`. Segments are in depth-first pre-order, so a segment's descendants are
+the contiguous segments right after it.
+
+As `TreeRow` builds it: trie nodes are keyed on (token, next token), so every position predicts exactly
+one token (siblings may hold the same token with different successors: forks happen one token early);
+a sample's tokens from its last trained token on predict no loss term and are not forwarded. Loss
+terms are grouped by sample in order of `TreeRow.add`, each sample's in sequence order.
 """
 
 from __future__ import annotations
@@ -74,8 +80,15 @@ class PackedRow:
         return int(self.token_index.shape[0])
 
     @property
+    def is_plain(self) -> bool:
+        """True when no segment has a parent: ordinary varlen packing, `kv_index` is `arange(N)` and
+        `q_offsets` is the usual `cu_seqlens`, so attention needs no gather."""
+        return bool((self.segment_parent < 0).all())
+
+    @property
     def packing_ratio(self) -> float:
-        """Raw tokens per forwarded token: 1.0 when nothing is shared."""
+        """Raw tokens per forwarded token: 1.0 when nothing is shared (a hair above: tokens after each
+        sample's last trained token are not forwarded)."""
         return self.num_raw_tokens / max(self.num_tokens, 1)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedRow:
@@ -83,5 +96,7 @@ class PackedRow:
         moved = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            moved[f.name] = value.to(device, non_blocking=non_blocking) if isinstance(value, torch.Tensor) else value
+            moved[f.name] = (
+                value.to(device, non_blocking=non_blocking) if isinstance(value, torch.Tensor) else value
+            )
         return PackedRow(**moved)

@@ -68,7 +68,9 @@ class PackSample:
                     f"sampler_top_ids {self.sampler_top_ids.shape}"
                 )
         if self.sampling_mask is not None and len(self.sampling_mask) != num_trained:
-            raise ValueError(f"sampling_mask has {len(self.sampling_mask)} sets for {num_trained} trained tokens")
+            raise ValueError(
+                f"sampling_mask has {len(self.sampling_mask)} sets for {num_trained} trained tokens"
+            )
 
     @staticmethod
     def _check_per_trained(name: str, values: np.ndarray, num_trained: int) -> None:

@@ -2,6 +2,63 @@
 
 from importlib.metadata import version as _version
 
+from ._assistant_message import AssistantMessage
+from ._client import VLLMClient
+from ._completion_response import decode_completion, decode_generate
+from ._concurrency import ConcurrencyController
+from ._config import RolloutConfig
+from ._exceptions import (
+    PromptsExhaustedError,
+    RequestRejectedError,
+    ResponseFormatError,
+    RolloutError,
+    ServerConfigError,
+    ServerError,
+    ServerUnavailableError,
+    ToolSetupError,
+)
+from ._group import RolloutGroup, group_advantages, is_trainable
+from ._loop import AsyncRolloutLoop, GroupOutcome
+from ._rollout import Rollout
+from ._sample import PACK_FIELDS, RolloutSample
+from ._sequence import ReconcileStats, TrainingSequence, build_sequences
+from ._server import ServerInfo
+from ._server_load import ServerLoad
+from ._toolbox import Toolbox, ToolOutcome
+from ._turn import TopLogprobs, TurnRecord
+
 __version__ = _version("agrpo-rollout")
 
-__all__: list[str] = []
+__all__ = [
+    "AssistantMessage",
+    "AsyncRolloutLoop",
+    "ConcurrencyController",
+    "GroupOutcome",
+    "PACK_FIELDS",
+    "PromptsExhaustedError",
+    "ReconcileStats",
+    "RequestRejectedError",
+    "ResponseFormatError",
+    "Rollout",
+    "RolloutConfig",
+    "RolloutError",
+    "RolloutGroup",
+    "RolloutSample",
+    "ServerConfigError",
+    "ServerError",
+    "ServerInfo",
+    "ServerLoad",
+    "ServerUnavailableError",
+    "ToolOutcome",
+    "ToolSetupError",
+    "Toolbox",
+    "TopLogprobs",
+    "TrainingSequence",
+    "TurnRecord",
+    "VLLMClient",
+    "build_sequences",
+    "decode_completion",
+    "decode_generate",
+    "group_advantages",
+    "is_trainable",
+]

@@ -1,7 +1,56 @@
-"""agrpo-sync: see the package README for the map of modules and what to read first."""
+"""agrpo-sync: push a trainer's weights to a vLLM server (NCCL, disk, LoRA adapters) with pause/resume.
+
+See the package README for the map of modules and what to read first.
+"""
 
 from importlib.metadata import version as _version
 
+from ._backend import SyncBackend
+from ._config import WeightSyncConfig
+from ._disk_backend import DiskBackend
+from ._exceptions import (
+    ServerRequestError,
+    SyncSetupError,
+    TransferFailedError,
+    TransportError,
+    WeightSyncError,
+)
+from ._lora_backend import LoraAdapterBackend, adapter_name
+from ._nccl_backend import NcclBackend
+from ._nccl_transport import NcclTransport
+from ._param_stream import ParamStream
+from ._registry import BACKENDS
+from ._server_control import ServerControl, ServerInfo
+from ._transport import ChunkTransport
+from ._weight_sync import SyncTimings, WeightSync
+from ._wire_format import ChunkPlan, TensorMeta, pack_chunk, plan_chunks, unpack_chunk, update_info
+
 __version__ = _version("agrpo-sync")
 
-__all__: list[str] = []
+__all__ = [
+    "BACKENDS",
+    "ChunkPlan",
+    "ChunkTransport",
+    "DiskBackend",
+    "LoraAdapterBackend",
+    "NcclBackend",
+    "NcclTransport",
+    "ParamStream",
+    "ServerControl",
+    "ServerInfo",
+    "ServerRequestError",
+    "SyncBackend",
+    "SyncSetupError",
+    "SyncTimings",
+    "TensorMeta",
+    "TransferFailedError",
+    "TransportError",
+    "WeightSync",
+    "WeightSyncConfig",
+    "WeightSyncError",
+    "adapter_name",
+    "pack_chunk",
+    "plan_chunks",
+    "unpack_chunk",
+    "update_info",
+]

@@ -1,0 +1,47 @@
+"""`AttentionBackend`: the protocol every tree-attention kernel implements.
+
+Owns the contract between the transformers-facing attention function and the kernels: shapes in and
+out, and the two-phase life of a backend (`prepare` once per forward, `attend` once per layer). Does
+not know any kernel (see `_backends/`), nor transformers.
+
+Legend: Hq/Hkv = query/key-value heads, N = packed tokens, D = head dim.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ._tree_layout import TreeLayout
+
+
+class AttentionBackend(Protocol):
+    """One way to compute tree attention; registered by name in `_backends.BACKENDS`."""
+
+    name: str
+    """Name users pass to `enable_tree_attention(model, backend=...)`."""
+    supports_softcap: bool
+    """Whether `attend` honours `softcap` (models with `attn_logit_softcapping` need it)."""
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        """None if the backend runs on `device` here, else why not and how to fix it."""
+        ...
+
+    def prepare(self, layout: TreeLayout) -> object:
+        """Per-forward state shared by every layer (a block mask, say); None if nothing is needed."""
+        ...
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        layout: TreeLayout,
+        state: object,
+        *,
+        scaling: float,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        """query (1, Hq, N, D), key/value (1, Hkv, N, D) -> output (1, N, Hq, D)."""
+        ...

@@ -1,0 +1,66 @@
+"""The table of tree-attention backends, and how "auto" picks one.
+
+Owns `BACKENDS` (name -> backend object; add a backend by adding a module and one line here) and
+`AUTO_ORDER`, the preference order per device type, fastest first as measured in docs/benchmarks.md
+(on an H200 with torch 2.11: flex beats torch's varlen_attn plus the K/V gather). Does not know
+transformers or models.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._attention_backend import AttentionBackend
+from .._exceptions import BackendUnavailableError, UnsupportedModelError
+from .aiter import AiterBackend
+from .fa3 import FA3Backend
+from .fa4 import FA4Backend
+from .flex import FlexBackend
+from .reference import ReferenceBackend
+from .varlen import VarlenBackend
+
+BACKENDS: dict[str, AttentionBackend] = {
+    backend.name: backend
+    for backend in (
+        ReferenceBackend(),
+        FlexBackend(),
+        VarlenBackend(),
+        FA3Backend(),
+        FA4Backend(),
+        AiterBackend(),
+    )
+}
+
+AUTO_ORDER: dict[str, tuple[str, ...]] = {
+    "cuda": ("fa3", "fa4", "aiter", "flex", "varlen", "reference"),
+    "cpu": ("reference",),
+}
+
+
+def available_backends(device: torch.device | str) -> list[str]:
+    """Names of the backends that run on `device` here, in the table's order."""
+    device = torch.device(device)
+    return [name for name, backend in BACKENDS.items() if backend.unavailable_reason(device) is None]
+
+
+def resolve_backend(name: str, device: torch.device | str, *, needs_softcap: bool) -> AttentionBackend:
+    """The backend called `name` ("auto" picks the first available of `AUTO_ORDER`), checked for `device`."""
+    device = torch.device(device)
+    if name == "auto":
+        for candidate in AUTO_ORDER.get(device.type, ("reference",)):
+            backend = BACKENDS[candidate]
+            if backend.unavailable_reason(device) is None and (backend.supports_softcap or not needs_softcap):
+                return backend
+        raise BackendUnavailableError(f"no tree-attention backend runs on {device}")
+    if name not in BACKENDS:
+        raise BackendUnavailableError(f"backend={name!r} is unknown; expected 'auto' or one of {sorted(BACKENDS)}")
+    backend = BACKENDS[name]
+    if needs_softcap and not backend.supports_softcap:
+        with_softcap = sorted(n for n, b in BACKENDS.items() if b.supports_softcap)
+        raise UnsupportedModelError(
+            f"backend={name!r} has no attention logit softcapping, which this model uses "
+            f"(config.attn_logit_softcapping); use one of {with_softcap}"
+        )
+    if (reason := backend.unavailable_reason(device)) is not None:
+        raise BackendUnavailableError(f"backend={name!r} cannot run here: {reason}")
+    return backend

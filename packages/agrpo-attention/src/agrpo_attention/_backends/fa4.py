@@ -1,0 +1,48 @@
+"""The FA4 backend: gathered path K/V through FlashAttention-4's CuTe varlen kernel (Blackwell).
+
+Owns finding FA4 (`flash_attn.cute`, package `flash-attn-4` plus its CUTLASS DSL libraries). Supports
+softcap. Untested on this project's machines: the DSL libraries are too large to carry to the H200
+machine (see docs/benchmarks.md). Does not know the gather (see `path_gather.py`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from .._tree_layout import TreeLayout
+from .path_gather import GatheredPathBackend
+
+
+class FA4Backend(GatheredPathBackend):
+    """flash_attn.cute.flash_attn_varlen_func over gathered paths (CUDA, compute capability >= 10)."""
+
+    name = "fa4"
+    supports_softcap = True
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        if device.type != "cuda" or torch.version.cuda is None:
+            return f"FA4 needs an NVIDIA GPU, the model is on {device}"
+        if torch.cuda.get_device_capability(device)[0] < 10:
+            return "FA4 targets Blackwell (compute capability >= 10); on Hopper use 'fa3', 'flex' or 'varlen'"
+        if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None:
+            return "FA4 is not installed: pip install flash-attn-4"
+        return None
+
+    def _kernel(self, q, k, v, layout: TreeLayout, *, scaling, softcap):
+        from flash_attn.cute import flash_attn_varlen_func
+
+        out = flash_attn_varlen_func(
+            q,
+            k,
+            v,
+            cu_seqlens_q=layout.q_offsets,
+            cu_seqlens_k=layout.kv_offsets,
+            max_seqlen_q=layout.max_q,
+            max_seqlen_k=layout.max_k,
+            softmax_scale=scaling,
+            causal=True,
+            softcap=softcap or 0.0,
+        )
+        return out[0] if isinstance(out, tuple) else out

@@ -1,0 +1,50 @@
+"""`GatheredPathBackend`: the shared half of every gather-then-varlen backend (torch varlen, FA3, FA4, aiter).
+
+Owns the gather: each segment's root-to-segment path K/V is copied out with `kv_index` into one
+(P, Hkv, D) buffer, so a single variable-length causal call (cu_seqlens_q = q_offsets, cu_seqlens_k =
+kv_offsets, aligned bottom-right, which is the flash-attention convention) computes every segment.
+Cost: P ~ the raw (unshared) token count of K/V rows copied per layer, and the same scatter-add in
+backward; skipped when the row shares nothing. Does not know any particular kernel: subclasses
+supply `_kernel`.
+
+Legend: N = packed tokens, P = total path length, Hq/Hkv = heads, D = head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._tree_layout import TreeLayout
+
+
+def gather_paths(
+    key: torch.Tensor, value: torch.Tensor, layout: TreeLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """key/value (1, Hkv, N, D) -> path K/V (P, Hkv, D) each."""
+    k_nhd, v_nhd = key[0].transpose(0, 1), value[0].transpose(0, 1)
+    if layout.is_flat:
+        return k_nhd.contiguous(), v_nhd.contiguous()
+    return k_nhd.index_select(0, layout.kv_index), v_nhd.index_select(0, layout.kv_index)
+
+
+class GatheredPathBackend:
+    """Gathers path K/V, then calls one varlen kernel; subclasses name it and implement `_kernel`."""
+
+    name = "gathered"
+    supports_softcap = False
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        raise NotImplementedError
+
+    def prepare(self, layout: TreeLayout) -> object:
+        return None
+
+    def attend(self, query, key, value, layout: TreeLayout, state, *, scaling, softcap):
+        q = query[0].transpose(0, 1).contiguous()  # (N, Hq, D)
+        k, v = gather_paths(key, value, layout)
+        out = self._kernel(q, k, v, layout, scaling=scaling, softcap=softcap)
+        return out.unsqueeze(0)  # (1, N, Hq, D)
+
+    def _kernel(self, q, k, v, layout: TreeLayout, *, scaling, softcap) -> torch.Tensor:
+        """q (N, Hq, D), k/v (P, Hkv, D) -> (N, Hq, D), causal bottom-right per segment."""
+        raise NotImplementedError

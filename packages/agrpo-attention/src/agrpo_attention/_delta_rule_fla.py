@@ -1,0 +1,42 @@
+"""The gated delta rule through `fla-core`'s Triton kernels (flash-linear-attention), for CUDA.
+
+Owns the adapter from the varlen-with-initial-states signature of `_delta_rule_torch` to
+`fla.ops.gated_delta_rule.chunk_gated_delta_rule` (fla-core >= 0.6: grouped value heads natively,
+per-sequence initial and final states, q/k L2 norm in the kernel, gradients into the initial state).
+Does not know trees; imports fla only when called.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+
+def fla_unavailable_reason(device: torch.device) -> str | None:
+    """None if fla-core's kernels can run on `device`, else why not."""
+    if device.type != "cuda":
+        return f"fla-core's Triton kernels need a GPU, the model is on {device}"
+    if importlib.util.find_spec("fla") is None:
+        return "fla-core is not installed: pip install fla-core"
+    return None
+
+
+def fla_varlen_gated_delta_rule(q, k, v, g, beta, *, cu_seqlens, cu_seqlens_host, initial_state):
+    """Same contract as `_delta_rule_torch.varlen_gated_delta_rule`."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    out, final = chunk_gated_delta_rule(
+        q,
+        k,
+        v,
+        g=g,
+        beta=beta,
+        scale=q.shape[-1] ** -0.5,
+        initial_state=initial_state,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu_seqlens.to(torch.int64),
+        cu_seqlens_cpu=torch.tensor(cu_seqlens_host, dtype=torch.int64),
+    )
+    return out, final

@@ -1,0 +1,118 @@
+"""`enable_tree_attention`: switch a stock transformers decoder to tree attention, explicitly, per model.
+
+Owns the checks that refuse what tree attention cannot run (layer types other than full attention and
+Qwen3.5-style Gated DeltaNet, other recurrent mixers, softcapping on a backend without it, models that
+do not route attention through transformers' `AttentionInterface`), the switch of
+`attn_implementation` to "agrpo_tree", the per-instance patch of each Gated DeltaNet module's forward
+(its tree path runs only when a tree plan is passed; without one the stock forward runs), and the
+settings recorded on the model for `build_tree_plan`. Nothing is patched at import. Does not know
+kernels' internals nor the loss.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+
+import torch
+
+from ._attention_backend import AttentionBackend
+from ._backends import resolve_backend
+from ._exceptions import UnsupportedModelError
+from ._tree_attention import ATTENTION_NAME, register_tree_attention
+from ._tree_deltanet import check_deltanet_module, resolve_delta_rule_kernel, tree_deltanet_forward
+
+_SETTINGS_ATTRIBUTE = "_agrpo_tree_settings"
+_SUPPORTED_LAYER_TYPES = ("full_attention", "linear_attention")
+_UNSUPPORTED_MIXERS = ("Mamba", "ShortConv", "LinearAttention", "Lightning", "Rwkv", "RWKV", "Retention")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class TreeSettings:
+    """What `enable_tree_attention` chose for one model."""
+
+    backend: AttentionBackend
+    """Attention backend of every attention layer."""
+    device: torch.device
+    """Device of the model's parameters when enabled."""
+    conv_kernel_size: int | None
+    """Gated DeltaNet convolution taps; None when the model has no such layer."""
+    deltanet_kernel: str | None
+    """"torch" or "fla"; None when the model has no Gated DeltaNet layer."""
+
+
+def tree_settings(model: torch.nn.Module) -> TreeSettings:
+    """The settings `enable_tree_attention` recorded on `model`."""
+    settings = getattr(model, _SETTINGS_ATTRIBUTE, None)
+    if settings is None:
+        raise ValueError(f"{type(model).__name__} is not tree-enabled: call enable_tree_attention(model) first")
+    return settings
+
+
+def _text_config(model: torch.nn.Module):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _deltanet_modules(model: torch.nn.Module, config) -> list[tuple[str, torch.nn.Module]]:
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    for index, layer_type in enumerate(layer_types):
+        if layer_type not in _SUPPORTED_LAYER_TYPES:
+            raise UnsupportedModelError(
+                f"layer {index} is {layer_type!r}; tree attention supports {list(_SUPPORTED_LAYER_TYPES)} layers only"
+            )
+    found = []
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if kind.endswith("GatedDeltaNet"):
+            check_deltanet_module(module, name)
+            found.append((name, module))
+        elif any(tag in kind for tag in _UNSUPPORTED_MIXERS):
+            raise UnsupportedModelError(
+                f"{name} is a {kind}: tree attention supports attention and Gated DeltaNet layers only"
+            )
+    if layer_types.count("linear_attention") != len(found):
+        raise UnsupportedModelError(
+            f"config lists {layer_types.count('linear_attention')} linear_attention layers but the model has "
+            f"{len(found)} Gated DeltaNet modules; only Qwen3.5-style Gated DeltaNet linear attention is supported"
+        )
+    return found
+
+
+def _tree_or_stock_forward(self, hidden_states, *args, tree_plan=None, **kwargs):
+    """Forward of a patched Gated DeltaNet module: the tree path with a plan, the class's own without."""
+    if tree_plan is None:
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    if kwargs.get("cache") is not None or kwargs.get("cache_params") is not None:
+        raise ValueError("tree Gated DeltaNet runs without a cache: call the model with use_cache=False")
+    return tree_deltanet_forward(self, hidden_states, tree_plan.deltanet, tree_plan.deltanet_kernel)
+
+
+def _patch_deltanet(module: torch.nn.Module) -> None:
+    # A bound method (not a closure) so that copy.deepcopy(model) rebinds it to the copy's own module.
+    module.forward = types.MethodType(_tree_or_stock_forward, module)
+
+
+def enable_tree_attention(model: torch.nn.Module, backend: str = "auto", *, deltanet_kernel: str = "auto") -> str:
+    """Switch `model` (a transformers causal LM, already on its device) to tree attention; returns the backend
+    name chosen. `backend`: "auto", "reference", "flex", "varlen", "fa3", "fa4" or "aiter". `deltanet_kernel`
+    (hybrids only): "auto" ("fla" on CUDA with fla-core installed, else "torch"), "torch" or "fla"."""
+    config = _text_config(model)
+    deltanets = _deltanet_modules(model, config)
+    device = next(model.parameters()).device
+    needs_softcap = bool(getattr(config, "attn_logit_softcapping", None))
+    chosen = resolve_backend(backend, device, needs_softcap=needs_softcap)
+    kernel = resolve_delta_rule_kernel(deltanet_kernel, device) if deltanets else None
+    if not type(model)._can_set_attn_implementation():
+        raise UnsupportedModelError(
+            f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
+            "so its attention cannot be replaced"
+        )
+    register_tree_attention()
+    model.set_attn_implementation(ATTENTION_NAME)
+    for _, module in deltanets:
+        _patch_deltanet(module)
+    conv_taps = int(deltanets[0][1].conv1d.weight.shape[-1]) if deltanets else None
+    settings = TreeSettings(backend=chosen, device=device, conv_kernel_size=conv_taps, deltanet_kernel=kernel)
+    setattr(model, _SETTINGS_ATTRIBUTE, settings)
+    return chosen.name

@@ -1,0 +1,91 @@
+"""`TreeLayout`: the index tensors every attention backend reads, built once per forward from a `PackedRow`.
+
+Owns the translation of the packing contract (segments with contiguous queries, root-to-segment K/V
+paths) into what kernels want: int32 cumulative offsets, host-side maxima (so no kernel launch waits
+on a device-to-host copy), and `subtree_end`, the depth-first interval that turns "is key j on query
+i's path" into one comparison: `j <= i < subtree_end[j]` (segments are laid out depth-first, so a
+segment's descendants are the contiguous positions after it). Does not know any kernel, nor how the
+row was packed.
+
+Legend: N = packed tokens, S = segments, P = total path length (sum of segment path lengths).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from agrpo_packing import PackedRow
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class TreeLayout:
+    """Device index tensors plus host-side sizes of one packed row."""
+
+    num_tokens: int
+    """N, the packed (unique) tokens."""
+    q_offsets: torch.Tensor
+    """(S + 1,) int32: segment s's queries are positions `q_offsets[s]:q_offsets[s+1]`."""
+    kv_index: torch.Tensor
+    """(P,) int64: positions of each segment's root-to-segment path, segment after segment."""
+    kv_offsets: torch.Tensor
+    """(S + 1,) int32: segment s's path is `kv_index[kv_offsets[s]:kv_offsets[s+1]]`."""
+    subtree_end: torch.Tensor
+    """(N,) int64: end (exclusive) of the subtree of the segment owning each position."""
+    q_offsets_host: tuple[int, ...]
+    """`q_offsets` on the host."""
+    kv_offsets_host: tuple[int, ...]
+    """`kv_offsets` on the host."""
+    max_q: int
+    """Longest segment."""
+    max_k: int
+    """Longest root-to-segment path."""
+    is_flat: bool
+    """True when every segment is a root: nothing is shared and `kv_index` is the identity."""
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.q_offsets_host) - 1
+
+    @property
+    def score_pairs(self) -> int:
+        """(query, key) pairs attention scores: sum over segments of Lq * Lk - Lq * (Lq - 1) / 2."""
+        total = 0
+        for s in range(self.num_segments):
+            lq = self.q_offsets_host[s + 1] - self.q_offsets_host[s]
+            lk = self.kv_offsets_host[s + 1] - self.kv_offsets_host[s]
+            total += lq * lk - lq * (lq - 1) // 2
+        return total
+
+
+def segment_subtree_ends(segment_parent: np.ndarray) -> np.ndarray:
+    """(S,) index one past the last segment of each segment's subtree (depth-first order)."""
+    last = np.arange(segment_parent.shape[0])
+    for s in range(segment_parent.shape[0] - 1, 0, -1):
+        parent = segment_parent[s]
+        if parent >= 0 and last[s] > last[parent]:
+            last[parent] = last[s]
+    return last + 1
+
+
+def build_tree_layout(row: PackedRow, device: torch.device | str) -> TreeLayout:
+    """The layout of `row`, its tensors on `device`."""
+    q_offsets = row.q_offsets.detach().cpu().numpy().astype(np.int64)
+    kv_offsets = row.kv_offsets.detach().cpu().numpy().astype(np.int64)
+    parents = row.segment_parent.detach().cpu().numpy().astype(np.int64)
+    seg_len = np.diff(q_offsets)
+    end_of_segment = q_offsets[segment_subtree_ends(parents)]
+    subtree_end = np.repeat(end_of_segment, seg_len)
+    return TreeLayout(
+        num_tokens=int(q_offsets[-1]),
+        q_offsets=torch.from_numpy(q_offsets).to(device=device, dtype=torch.int32),
+        kv_index=row.kv_index.to(device=device, dtype=torch.int64),
+        kv_offsets=torch.from_numpy(kv_offsets).to(device=device, dtype=torch.int32),
+        subtree_end=torch.from_numpy(subtree_end).to(device),
+        q_offsets_host=tuple(int(x) for x in q_offsets),
+        kv_offsets_host=tuple(int(x) for x in kv_offsets),
+        max_q=int(seg_len.max(initial=0)),
+        max_k=int(np.diff(kv_offsets).max(initial=0)),
+        is_flat=bool((parents < 0).all()),
+    )

@@ -1,0 +1,85 @@
+"""`TreePlan`: everything one packed row's forward needs beyond the weights, built once, read by every layer.
+
+Owns the bundle (tree layout, the attention backend and its per-forward state such as a block mask,
+the Gated DeltaNet plan) and `build_tree_plan`, which makes it either for a tree-enabled model (the
+model's settings decide backend, device and layer plans) or standalone for kernel tests and
+benchmarks (attention only). Building does host-side index work and copies small index tensors to the
+device; a trainer can build the next row's plan while the current one trains. Does not know
+transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from agrpo_packing import PackedRow
+
+from ._attention_backend import AttentionBackend
+from ._backends import resolve_backend
+from ._deltanet_plan import DeltaNetPlan, build_deltanet_plan
+from ._model_patch import tree_settings
+from ._tree_layout import TreeLayout, build_tree_layout
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class TreePlan:
+    """One packed row, laid out for a backend; pass to `token_logprobs(..., plan=...)` or call `attend`."""
+
+    layout: TreeLayout
+    """Index tensors of the row (see `TreeLayout`)."""
+    backend: AttentionBackend
+    """The attention backend the plan was prepared for."""
+    attention_state: object
+    """What `backend.prepare` returned (a BlockMask for flex, None for most)."""
+    deltanet: DeltaNetPlan | None
+    """Plan of the Gated DeltaNet layers; None for models without them."""
+    deltanet_kernel: str | None
+    """"torch" or "fla" for the Gated DeltaNet layers; None without them."""
+
+    @property
+    def backend_name(self) -> str:
+        return self.backend.name
+
+    def attend(self, query, key, value, *, scaling: float | None = None, softcap: float | None = None):
+        """Tree attention of one layer: query (1, Hq, N, D), key/value (1, Hkv, N, D) -> (1, N, Hq, D)."""
+        scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        return self.backend.attend(
+            query, key, value, self.layout, self.attention_state, scaling=scaling, softcap=softcap
+        )
+
+
+def _plan(row, backend, device, conv_kernel_size, deltanet_kernel) -> TreePlan:
+    layout = build_tree_layout(row, device)
+    deltanet = None if conv_kernel_size is None else build_deltanet_plan(row, conv_kernel_size, device)
+    return TreePlan(
+        layout=layout,
+        backend=backend,
+        attention_state=backend.prepare(layout),
+        deltanet=deltanet,
+        deltanet_kernel=deltanet_kernel,
+    )
+
+
+def build_tree_plan(
+    packed_row: PackedRow,
+    model: torch.nn.Module | None = None,
+    *,
+    backend: str = "auto",
+    device: torch.device | str | None = None,
+) -> TreePlan:
+    """The plan of `packed_row`. With `model` (after `enable_tree_attention(model)`), the model's backend,
+    device and layers decide everything and `backend`/`device` must be left out. Without a model the plan
+    covers attention only (for kernel tests and benchmarks): `backend` by name, `device` default CPU."""
+    if model is None:
+        device = torch.device("cpu" if device is None else device)
+        return _plan(packed_row, resolve_backend(backend, device, needs_softcap=False), device, None, None)
+    if backend != "auto" or device is not None:
+        raise ValueError(
+            "build_tree_plan(row, model) takes backend and device from the model; "
+            "choose them in enable_tree_attention(model, backend=...) and model.to(device)"
+        )
+    settings = tree_settings(model)
+    return _plan(
+        packed_row, settings.backend, settings.device, settings.conv_kernel_size, settings.deltanet_kernel
+    )

@@ -1,0 +1,76 @@
+"""Fixtures of agrpo-attention's tests: tiny random models, and packed rows from agrpo-packing's generator.
+
+Rows come from agrpo-packing's public API only (`TreeRow`, `agrpo_packing.testing`), as production
+rows do. `visibility_from_paths` reads the layout contract literally (every segment attends to its
+`kv_index` path, causal aligned bottom-right) so backends can be checked against a dense mask.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from agrpo_packing import PackedRow, TreeRow
+from agrpo_packing.testing import GroupShape, random_grpo_groups
+
+from tools.tiny_models import TinyModelSpec, build_model, build_tokenizer
+
+
+def visibility_from_paths(row: PackedRow) -> torch.Tensor:
+    """(N, N) bool: query i sees key j, read literally off kv_index / kv_offsets (bottom-right causal)."""
+    n = row.num_tokens
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for s in range(row.num_segments):
+        q0, q1 = int(row.q_offsets[s]), int(row.q_offsets[s + 1])
+        path = row.kv_index[int(row.kv_offsets[s]) : int(row.kv_offsets[s + 1])]
+        for t in range(q1 - q0):
+            mask[q0 + t, path[: len(path) - (q1 - q0) + t + 1]] = True
+    return mask
+
+
+def seeded_samples(seed: int, *, vocab: int = 5, prompts: int = 2, rollouts: int = 4, longest: int = 70):
+    """GRPO samples with multi-turn rollouts and reconcile forks; a small vocab adds accidental sharing."""
+    shape = GroupShape(
+        num_prompts=prompts,
+        rollouts_per_prompt=rollouts,
+        prompt_tokens=(3, longest // 2),
+        completion_tokens=(1, longest),
+        multi_turn_frac=0.5,
+        tool_tokens=(1, 8),
+        fork_frac=0.7,
+        vocab_size=vocab,
+    )
+    return random_grpo_groups(shape, seed=seed)
+
+
+def seeded_row(seed: int, *, share: bool = True, **shape) -> PackedRow:
+    row = TreeRow(0, share_prefixes=share)
+    row.extend(seeded_samples(seed, **shape))
+    return row.pack()
+
+
+class Trees:
+    """The helpers above, handed to tests as one fixture (test modules cannot import each other here)."""
+
+    visibility_from_paths = staticmethod(visibility_from_paths)
+    seeded_samples = staticmethod(seeded_samples)
+    random_row = staticmethod(seeded_row)
+
+
+@pytest.fixture(scope="session")
+def trees() -> type[Trees]:
+    return Trees
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return build_tokenizer(512)
+
+
+@pytest.fixture(scope="session")
+def tiny_dense(tiny_tokenizer):
+    return build_model(TinyModelSpec(kind="qwen3", num_layers=2), tiny_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid(tiny_tokenizer):
+    return build_model(TinyModelSpec(kind="hybrid", num_layers=4), tiny_tokenizer)

@@ -1,0 +1,74 @@
+"""The backend table and the CPU-runnable backends, each against an independent dense-mask attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agrpo_attention import BackendUnavailableError, UnsupportedModelError, available_backends, build_tree_plan
+from agrpo_attention._backends import BACKENDS, resolve_backend
+
+
+def dense_attention(q, k, v, mask, scaling, softcap=None):
+    """Plain masked softmax attention over the whole row: (1, Hq, N, D) -> (1, N, Hq, D)."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = q @ k.transpose(-1, -2) * scaling
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(1, 2)
+
+
+def random_qkv(row, seed, num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    n = row.num_tokens
+    q = torch.randn(1, num_heads, n, head_dim, generator=gen, dtype=dtype)
+    k = torch.randn(1, num_kv_heads, n, head_dim, generator=gen, dtype=dtype)
+    v = torch.randn(1, num_kv_heads, n, head_dim, generator=gen, dtype=dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("seed", range(3))
+def test_reference_equals_dense_masked_attention_with_gradients(trees, seed, softcap):
+    row = trees.random_row(seed)
+    q, k, v = random_qkv(row, seed)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    plan = build_tree_plan(row, backend="reference")
+    out = plan.attend(q, k, v, scaling=0.3, softcap=softcap)
+    expected = dense_attention(q, k, v, trees.visibility_from_paths(row), 0.3, softcap)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    weights = torch.randn_like(out)
+    grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    expected_grads = torch.autograd.grad((expected * weights).sum(), (q, k, v))
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_flex_forward_equals_reference_on_cpu(trees, softcap):
+    row = trees.random_row(7)
+    q, k, v = random_qkv(row, 7, dtype=torch.float32)
+    want = build_tree_plan(row, backend="reference").attend(q, k, v, softcap=softcap)
+    with torch.no_grad():
+        got = build_tree_plan(row, backend="flex").attend(q, k, v, softcap=softcap)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_on_cpu_is_reference_and_gpu_backends_refuse_clearly():
+    assert resolve_backend("auto", "cpu", needs_softcap=False).name == "reference"
+    assert available_backends("cpu") == ["reference", "flex"]
+    for name in ("varlen", "fa3", "fa4", "aiter"):
+        with pytest.raises(BackendUnavailableError, match=f"backend='{name}' cannot run here"):
+            resolve_backend(name, "cpu", needs_softcap=False)
+
+
+def test_unknown_backend_and_softcap_without_support_are_refused():
+    with pytest.raises(BackendUnavailableError, match="unknown"):
+        resolve_backend("flash", "cpu", needs_softcap=False)
+    assert not BACKENDS["varlen"].supports_softcap
+    with pytest.raises(UnsupportedModelError, match="softcapping"):
+        resolve_backend("varlen", "cpu", needs_softcap=True)
+    assert resolve_backend("auto", "cpu", needs_softcap=True).supports_softcap

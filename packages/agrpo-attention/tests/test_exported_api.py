@@ -1,0 +1,25 @@
+"""Freezes agrpo_attention's public surface (style.md habit 14): growing it is a reviewed decision."""
+
+import agrpo_attention
+
+EXPECTED = [
+    "BackendUnavailableError",
+    "TreeAttentionError",
+    "TreePlan",
+    "TreePlanMissingError",
+    "UnsupportedModelError",
+    "available_backends",
+    "build_tree_plan",
+    "enable_tree_attention",
+    "gathered_logprobs",
+    "token_logprobs",
+]
+
+
+def test_all_is_frozen_and_sorted():
+    assert agrpo_attention.__all__ == EXPECTED
+
+
+def test_every_exported_name_resolves():
+    for name in EXPECTED:
+        assert getattr(agrpo_attention, name) is not None

@@ -1,0 +1,78 @@
+"""Tree Gated DeltaNet: every segment's output equals running its root-to-segment path alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from agrpo_attention import BackendUnavailableError, UnsupportedModelError
+from agrpo_attention._deltanet_plan import build_deltanet_plan
+from agrpo_attention._delta_rule_torch import chunk_gated_delta_rule
+from agrpo_attention._tree_deltanet import (
+    check_deltanet_module,
+    path_conv,
+    resolve_delta_rule_kernel,
+    tree_delta_rule,
+    tree_deltanet_forward,
+)
+
+
+def segment_paths(row):
+    """(path positions, number of own tokens at its end, own positions) per segment."""
+    for s in range(row.num_segments):
+        q0, q1 = int(row.q_offsets[s]), int(row.q_offsets[s + 1])
+        yield row.kv_index[int(row.kv_offsets[s]) : int(row.kv_offsets[s + 1])], q1 - q0, slice(q0, q1)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_tree_delta_rule_equals_each_path_alone_with_gradients_fp64(trees, seed):
+    row = trees.random_row(seed, vocab=3)
+    n, gen = row.num_tokens, torch.Generator().manual_seed(seed)
+    rand = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    inputs = [rand(1, n, 2, 8), rand(1, n, 2, 8), rand(1, n, 4, 6)]
+    inputs += [-4 * torch.rand(1, n, 4, generator=gen, dtype=torch.float64), torch.rand(1, n, 4, generator=gen).double()]
+    inputs = [x.requires_grad_() for x in inputs]
+    out = tree_delta_rule(*inputs, build_deltanet_plan(row, 4, "cpu"), "torch")
+    weights = torch.randn_like(out)
+    expected = torch.zeros_like(out)
+    for path, own, positions in segment_paths(row):
+        alone, _ = chunk_gated_delta_rule(*(x[:, path] for x in inputs))
+        expected[:, positions] = alone[:, -own:]
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    got = torch.autograd.grad((out * weights).sum(), inputs)
+    want = torch.autograd.grad((expected * weights).sum(), inputs)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+
+
+def test_path_conv_equals_causal_conv_along_each_path(trees):
+    row = trees.random_row(5, vocab=3)
+    conv = torch.nn.Conv1d(6, 6, kernel_size=4, groups=6, padding=3, bias=False).double()
+    mixed = torch.randn(row.num_tokens, 6, dtype=torch.float64)
+    out = path_conv(mixed, conv, build_deltanet_plan(row, 4, "cpu"), "silu")
+    for path, own, positions in segment_paths(row):
+        alone = F.silu(conv(mixed[path].t().unsqueeze(0))[0, :, : len(path)]).t()
+        torch.testing.assert_close(out[positions], alone[-own:], rtol=1e-12, atol=1e-12)
+
+
+def test_tree_forward_of_a_real_layer_equals_its_stock_forward_on_each_path(trees, tiny_hybrid):
+    layer = tiny_hybrid.model.layers[0].linear_attn
+    row = trees.random_row(2, vocab=3)
+    hidden = torch.randn(1, row.num_tokens, tiny_hybrid.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    plan = build_deltanet_plan(row, int(layer.conv1d.weight.shape[-1]), "cpu")
+    with torch.no_grad():
+        out = tree_deltanet_forward(layer, hidden, plan, "torch")
+        for path, own, positions in segment_paths(row):
+            alone = layer(hidden_states=hidden[:, path])
+            torch.testing.assert_close(out[:, positions], alone[:, -own:], rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_choice_and_layout_check_refuse_clearly():
+    assert resolve_delta_rule_kernel("auto", torch.device("cpu")) == "torch"
+    with pytest.raises(BackendUnavailableError, match="fla"):
+        resolve_delta_rule_kernel("fla", torch.device("cpu"))
+    with pytest.raises(BackendUnavailableError, match="expected 'auto'"):
+        resolve_delta_rule_kernel("triton", torch.device("cpu"))
+    with pytest.raises(UnsupportedModelError, match="in_proj_qkvz is not supported"):
+        check_deltanet_module(torch.nn.Linear(2, 2), "model.layers.0.linear_attn")

@@ -1,0 +1,159 @@
+"""`VLLMClient`: the async HTTP client of one vLLM server (httpx), with retries.
+
+Owns requests, the retry policy, the start-up probe call and the sampling request bodies of both
+generation routes. Does not know chat templates, tools or concurrency: callers decide what to send
+and how many requests are in flight.
+
+Retry policy: connection errors, timeouts, 5xx, 408 and 429 are retried with exponential backoff
+(`vllm_retry_backoff_s`, doubling, capped at 16 s) up to `vllm_max_retries` times, each counted in
+`retry_total` (`rollout/vllm_retry_total`); other 4xx raise `RequestRejectedError` at once because
+the same request would fail again (the reference retried those 30 times). A prompt that leaves no
+room under `max_model_len` returns an empty `length` turn without a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import httpx
+import numpy as np
+
+from ._completion_response import decode_completion, decode_generate
+from ._config import RolloutConfig
+from ._exceptions import RequestRejectedError, ServerUnavailableError
+from ._server import COMPLETIONS_PATH, GENERATE_PATH, ServerInfo, probe_server
+from ._server_load import ServerLoad
+from ._turn import TurnRecord
+
+logger = logging.getLogger("agrpo_rollout")
+
+_MAX_BACKOFF_S = 16.0
+_RETRY_STATUS = frozenset({408, 429})
+
+
+class VLLMClient:
+    """Talks to one vLLM server: `open`, `probe`, then `sample` and `load` as often as needed."""
+
+    def __init__(self, config: RolloutConfig, *, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.config = config
+        self.base_url = config.vllm_server_base_url.rstrip("/")
+        self.retry_total = 0
+        self.server: ServerInfo | None = None
+        self._transport = transport
+        self._http: httpx.AsyncClient | None = None
+
+    async def open(self) -> VLLMClient:
+        """Create the connection pool (sized so the pool never caps concurrency below the bound)."""
+        if self._http is None:
+            connections = self.config.max_concurrent_rollouts + 8
+            self._http = httpx.AsyncClient(
+                base_url=self.base_url,
+                timeout=httpx.Timeout(self.config.vllm_server_timeout, connect=min(10.0, self.config.vllm_server_timeout)),
+                limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+                transport=self._transport,
+            )
+        return self
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+    async def __aenter__(self) -> VLLMClient:
+        return await self.open()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _backoff_s(self, attempt: int) -> float:
+        return min(self.config.vllm_retry_backoff_s * 2**attempt, _MAX_BACKOFF_S)
+
+    async def request(
+        self, method: str, path: str, *, allow_status: tuple[int, ...] = (), **kwargs: Any
+    ) -> httpx.Response:
+        """One request with retries; 2xx and `allow_status` answers are returned, other 4xx raise."""
+        if self._http is None:
+            await self.open()
+        last_error = ""
+        for attempt in range(self.config.vllm_max_retries + 1):
+            if attempt:
+                self.retry_total += 1
+                await asyncio.sleep(self._backoff_s(attempt - 1))
+            try:
+                response = await self._http.request(method, path, **kwargs)
+            except httpx.TransportError as exc:  # connection refused/reset, timeouts, protocol errors
+                last_error = f"{type(exc).__name__}: {exc}"
+                continue
+            if response.status_code < 400 or response.status_code in allow_status:
+                return response
+            if response.status_code >= 500 or response.status_code in _RETRY_STATUS:
+                last_error = f"HTTP {response.status_code}: {response.text[:300]}"
+                continue
+            raise RequestRejectedError(
+                f"{method} {self.base_url}{path} answered {response.status_code}: {response.text[:500]}",
+                response.status_code,
+            )
+        raise ServerUnavailableError(
+            f"{method} {self.base_url}{path} failed {self.config.vllm_max_retries + 1} times; last error: "
+            f"{last_error}. Check that the server is up, or raise vllm_max_retries / vllm_server_timeout"
+        )
+
+    async def probe(self) -> ServerInfo:
+        """Read and check the server's capabilities once (see `ServerInfo`)."""
+        self.server = await probe_server(self, self.config)
+        return self.server
+
+    async def load(self) -> ServerLoad | None:
+        """The server's current load from `/metrics`, or None when it exports none."""
+        response = await self.request("GET", "/metrics", allow_status=(404,))
+        return ServerLoad.from_text(response.text) if response.status_code == 200 else None
+
+    async def sample(self, prompt_ids: list[int] | np.ndarray, *, max_tokens: int | None = None) -> TurnRecord:
+        """Sample one completion of `prompt_ids` with the config's sampling parameters."""
+        server = self.server or await self.probe()
+        prompt = [int(t) for t in prompt_ids]
+        room = server.max_model_len - len(prompt)
+        max_tokens = min(max_tokens or self.config.max_completion_length, room)
+        if max_tokens <= 0:
+            return TurnRecord(prompt_ids=prompt, output_ids=[], output_log_probs=[], finish_reason="length")
+        num_top = self.config.num_sampler_logprobs
+        if server.uses_generate_endpoint:
+            body = self.generate_body(prompt, max_tokens)
+            response = await self.request("POST", GENERATE_PATH, json=body)
+            return decode_generate(response.content, prompt, num_top)
+        response = await self.request("POST", COMPLETIONS_PATH, json=self.completion_body(prompt, max_tokens))
+        return decode_completion(response.content, prompt, num_top)
+
+    def completion_body(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+        """`/v1/completions` body: token-id prompt, ids as ids (distinct tokens never collapse)."""
+        return {
+            "model": (self.server.model_name if self.server else self.config.model_name),
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "n": 1,
+            "logprobs": self.config.num_sampler_logprobs,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False,
+            **self.config.sampling_fields(),
+            **self.config.extra_request_fields,
+        }
+
+    def generate_body(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+        """`/inference/v1/generate` body; asks for one extra log-prob so the top K survive a sampled token
+        outside them (see `decode_generate`), and for no detokenisation."""
+        num_top = self.config.num_sampler_logprobs
+        return {
+            "model": (self.server.model_name if self.server else self.config.model_name),
+            "token_ids": prompt,
+            "sampling_params": {
+                "max_tokens": max_tokens,
+                "n": 1,
+                "logprobs": num_top + 1 if num_top else 0,
+                "detokenize": False,
+                **self.config.sampling_fields(),
+                **self.config.extra_request_fields,
+            },
+        }

@@ -1,0 +1,203 @@
+"""Decoding vLLM sampling responses into `TurnRecord`s, fast.
+
+Owns the wire shapes of `/v1/completions` (with `return_token_ids` and `return_tokens_as_token_ids`)
+and of `/inference/v1/generate`, and their conversion to arrays. Does not know HTTP or retries.
+
+Why this is not `json.loads`: with 8 top log-probs a generated token costs about 350 bytes of JSON,
+mostly `{"token_id:343":-6.2199,...}` objects. Building those dicts costs about 5 us per token, which
+makes a 2-core rollout process the bottleneck of a large server. The fast path instead
+1. decodes the envelope with msgspec, keeping `top_logprobs` as raw bytes;
+2. rewrites those bytes in one `bytes.translate` pass into a flat JSON array `[id,lp,id,lp,...]`
+   (quotes become commas; braces, colons, commas and the letters of `token_id` are deleted; the
+   `e` of an exponent such as `-1.2e-07` is first upper-cased so it survives);
+3. decodes that array with msgspec and finds each token's entries with two vectorised byte scans.
+vLLM puts the sampled token first in each dict and adds it as entry K+1 only when it is outside the
+top K, so a row of K+1 entries drops its first. Every assumption is verified (entry counts, sampled
+ids); anything unexpected (NaN, a positive exponent, a missing field) falls back to the plain
+path, which is also the reference the tests compare against. Cost: `tools/bench/rollout_client`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+
+from ._exceptions import ResponseFormatError
+from ._turn import TopLogprobs, TurnRecord
+
+_TOKEN_ID_PREFIX = "token_id:"
+_TRANSLATE = bytes.maketrans(b'"', b",")
+_DELETE = b"{}" + b"token_id:" + b","  # lowercase `e` goes too; exponents are upper-cased first
+_FLOATS = msgspec.json.Decoder(list[float])
+
+
+class _CompletionLogprobs(msgspec.Struct):
+    token_logprobs: msgspec.Raw = msgspec.Raw(b"null")
+    top_logprobs: msgspec.Raw = msgspec.Raw(b"null")
+
+
+class _CompletionChoice(msgspec.Struct):
+    token_ids: list[int] | None = None
+    logprobs: _CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class _Completion(msgspec.Struct):
+    choices: list[_CompletionChoice]
+
+
+class _GenerateLogprob(msgspec.Struct):
+    token_id: int
+    logprob: float
+    rank: int | None = None
+
+
+class _GenerateContent(msgspec.Struct):
+    token_id: int
+    logprob: float
+    rank: int | None = None
+    top_logprobs: list[_GenerateLogprob] = []
+
+
+class _GenerateLogprobs(msgspec.Struct):
+    content: list[_GenerateContent] | None = None
+
+
+class _GenerateChoice(msgspec.Struct):
+    token_ids: list[int] | None = None
+    logprobs: _GenerateLogprobs | None = None
+    finish_reason: str | None = None
+    sampling_mask: list[list[int]] | None = None
+
+
+class _Generate(msgspec.Struct):
+    choices: list[_GenerateChoice]
+
+
+_COMPLETION = msgspec.json.Decoder(_Completion)
+_GENERATE = msgspec.json.Decoder(_Generate)
+
+
+def _first_choice(choices: Sequence, raw: bytes):
+    if not choices or choices[0].token_ids is None:
+        raise ResponseFormatError(
+            f"response has no choices[0].token_ids (first bytes: {raw[:200]!r}); the client sends "
+            "return_token_ids=true, which needs vLLM >= 0.10"
+        )
+    return choices[0]
+
+
+def _floor_to_inf(logprobs: np.ndarray) -> np.ndarray:
+    """vLLM clamps -inf to -9999.0 for JSON; restore -inf so padding and masked tokens agree."""
+    return np.where(logprobs <= -9999.0, np.float32(-np.inf), logprobs).astype(np.float32, copy=False)
+
+
+def _fast_top(top: bytes, token_ids: np.ndarray, num_top: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """(top ids (T, K), top log-probs (T, K)), or None when the bytes are unusual."""
+    scan = np.frombuffer(top, np.uint8)
+    minus = np.flatnonzero(scan == 45)
+    exponents = minus[scan[minus - 1] == 101]  # the `e` of `1.2e-07`, not the one of `token_id`
+    if exponents.size:
+        top = bytearray(top)
+        for position in (exponents - 1).tolist():
+            top[position] = 69  # `E`: survives the deletion of `e`, still valid JSON
+    try:
+        flat = _FLOATS.decode(b"[" + top.translate(_TRANSLATE, _DELETE)[2:])
+    except msgspec.DecodeError:
+        return None
+    if len(flat) % 2:
+        return None
+    pairs = np.fromiter(flat, np.float64, len(flat)).reshape(-1, 2)
+    colons = np.flatnonzero(scan == 58)
+    starts = np.searchsorted(colons, np.flatnonzero(scan == 123)) >> 1
+    counts = np.diff(starts, append=pairs.shape[0])
+    if (
+        colons.size != 2 * pairs.shape[0]
+        or starts.shape[0] != token_ids.shape[0]
+        or counts.min() < num_top
+        or counts.max() > num_top + 1
+        or not np.array_equal(pairs[starts, 0], token_ids)
+    ):
+        return None
+    chosen = pairs[(starts + (counts > num_top))[:, None] + np.arange(num_top)]
+    return chosen[..., 0].astype(np.int64), chosen[..., 1].astype(np.float32)
+
+
+def _plain_top(raw: bytes, num_top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The reference path: `json.loads` and one dict per token."""
+    logprobs = json.loads(raw)["choices"][0]["logprobs"]
+    sampled = np.asarray([np.nan if v is None else v for v in logprobs["token_logprobs"]], dtype=np.float32)
+    rows = logprobs["top_logprobs"] or []
+    ids = np.full((len(sampled), num_top), -1, dtype=np.int64)
+    values = np.full((len(sampled), num_top), -np.inf, dtype=np.float32)
+    for i, row in enumerate(rows):
+        items = list((row or {}).items())
+        items = items[1:] if len(items) > num_top else items
+        for j, (key, value) in enumerate(items):
+            ids[i, j] = int(key.removeprefix(_TOKEN_ID_PREFIX))
+            values[i, j] = value
+    return sampled, ids, values
+
+
+def decode_completion(
+    raw: bytes, prompt_ids: Sequence[int] | np.ndarray, num_top: int, *, reference: bool = False
+) -> TurnRecord:
+    """Turn a `/v1/completions` response body into a `TurnRecord` (fast path unless `reference`)."""
+    choice = _first_choice(_COMPLETION.decode(raw).choices, raw)
+    token_ids = np.asarray(choice.token_ids, dtype=np.int64)
+    if choice.logprobs is None or bytes(choice.logprobs.token_logprobs) == b"null":
+        raise ResponseFormatError("response has no logprobs; the request must set logprobs >= 0")
+    top = decoded = None
+    top_bytes = bytes(choice.logprobs.top_logprobs)
+    if not reference and num_top > 0 and token_ids.shape[0] and top_bytes != b"null":
+        try:
+            sampled = np.asarray(_FLOATS.decode(choice.logprobs.token_logprobs), dtype=np.float32)
+            decoded = _fast_top(top_bytes, token_ids, num_top)
+        except msgspec.DecodeError:  # a null log-prob: leave it to the plain path
+            decoded = None
+    if decoded is None:
+        sampled, top_ids, top_logprobs = _plain_top(raw, num_top)
+    else:
+        top_ids, top_logprobs = decoded
+    if num_top > 0:
+        top = TopLogprobs(ids=top_ids, logprobs=_floor_to_inf(top_logprobs))
+    return TurnRecord(
+        prompt_ids=prompt_ids,
+        output_ids=token_ids,
+        output_log_probs=sampled,
+        output_sampler_logprobs=top,
+        finish_reason=choice.finish_reason,
+    )
+
+
+def decode_generate(raw: bytes, prompt_ids: Sequence[int] | np.ndarray, num_top: int) -> TurnRecord:
+    """Turn an `/inference/v1/generate` body into a `TurnRecord`, sampling masks included.
+
+    The request asked for `num_top + 1` log-probs; entries are kept by their rank (1..num_top), so the
+    sampled token, listed first, is dropped when it is outside the top `num_top`.
+    """
+    choice = _first_choice(_GENERATE.decode(raw).choices, raw)
+    content = choice.logprobs.content if choice.logprobs is not None else None
+    if content is None or len(content) != len(choice.token_ids):
+        raise ResponseFormatError("generate response has no per-token logprobs; send sampling_params.logprobs")
+    sampled = np.fromiter((c.logprob for c in content), np.float32, len(content))
+    top = None
+    if num_top > 0:
+        ids = np.full((len(content), num_top), -1, dtype=np.int64)
+        values = np.full((len(content), num_top), -np.inf, dtype=np.float32)
+        for i, entry in enumerate(content):
+            kept = [c for c in entry.top_logprobs if c.rank is not None and 1 <= c.rank <= num_top]
+            for j, candidate in enumerate(kept[:num_top]):
+                ids[i, j], values[i, j] = candidate.token_id, candidate.logprob
+        top = TopLogprobs(ids=ids, logprobs=_floor_to_inf(values))
+    return TurnRecord(
+        prompt_ids=prompt_ids,
+        output_ids=choice.token_ids,
+        output_log_probs=sampled,
+        output_sampler_logprobs=top,
+        output_sampling_mask=choice.sampling_mask,
+        finish_reason=choice.finish_reason,
+    )

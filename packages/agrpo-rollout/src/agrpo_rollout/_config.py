@@ -1,0 +1,116 @@
+"""`RolloutConfig`: every knob of the rollout package, with the reference trainer's parameter names.
+
+Owns the fields, their defaults and the checks that need no server. Does not know the trainer: the
+trainer's `AsyncGRPOConfig` builds one of these from its own fields (for example it sets
+`max_concurrent_rollouts` to `max(max_staleness, 1) * per_device_train_batch_size *
+gradient_accumulation_steps * num_processes`). Checks that need the server (max_model_len,
+--max-logprobs, --enable-scale-out) live in `_server.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    """Sampling, server and concurrency settings of one rollout loop or eval run."""
+
+    vllm_server_base_url: str = "http://localhost:8000"
+    """Base URL of the vLLM OpenAI-compatible server, e.g. `http://localhost:8000`."""
+    model_name: str | None = None
+    """Served model or LoRA adapter name sent as `model`; None: the first model `/v1/models` lists."""
+    num_generations: int = 8
+    """Rollouts per prompt (the GRPO group size), >= 1; groups need >= 2 to yield advantages."""
+    max_completion_length: int = 2048
+    """Generated tokens per rollout, summed over all its turns, >= 1."""
+    temperature: float = 1.0
+    """Sampling temperature, >= 0 (0 is greedy)."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1]; < 1 needs `top_k > 0` (the server bounds candidate sets by top_k)."""
+    top_k: int = 0
+    """Top-k filter, 0 disables; > 0 asks the server for sampling masks when it can return them."""
+    min_p: float | None = None
+    """Minimum probability relative to the most likely token, in [0, 1]; needs `top_k > 0`."""
+    repetition_penalty: float = 1.0
+    """vLLM repetition penalty, > 0; 1.0 disables."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra keyword arguments for `apply_chat_template`, e.g. `{"enable_thinking": False}`."""
+    max_tool_calling_iterations: int | None = None
+    """Most tool-calling rounds per rollout; None: until the model stops calling tools or the budget ends."""
+    num_sampler_logprobs: int = 8
+    """Top sampler log-probs returned per generated token (score centering), 0..server --max-logprobs."""
+    max_concurrent_rollouts: int = 64
+    """Upper bound on rollouts in flight; the live cap moves below it (SPEC F-CONC)."""
+    vllm_server_timeout: float = 1800.0
+    """Seconds one HTTP request may take before it is retried, > 0."""
+    vllm_max_retries: int = 8
+    """Retries of one request on connection errors, 5xx and timeouts before giving up, >= 0."""
+    vllm_retry_backoff_s: float = 0.5
+    """First retry delay in seconds; it doubles per attempt, capped at 16 s."""
+    metrics_poll_interval_s: float = 2.0
+    """Seconds between two reads of the server's `/metrics` by the concurrency controller, > 0."""
+    score_queue_maxsize: int = 16
+    """Finished groups waiting to be scored before generation blocks (`rollout/score_block_s`), >= 1."""
+    metrics_interval_s: float = 5.0
+    """Seconds between two metric pushes of a running loop to its `metrics_sink`, > 0."""
+    tool_threads: int | None = None
+    """Threads for sync tools, rewards and environments; None: `max_concurrent_rollouts`."""
+    extra_request_fields: dict[str, Any] = field(default_factory=dict)
+    """Extra fields merged into every sampling request (e.g. `{"seed": 0}`); overrides nothing above."""
+
+    def __post_init__(self) -> None:
+        self._check_sampling()
+        positive = {
+            "num_generations": self.num_generations,
+            "max_completion_length": self.max_completion_length,
+            "max_concurrent_rollouts": self.max_concurrent_rollouts,
+            "score_queue_maxsize": self.score_queue_maxsize,
+            "vllm_server_timeout": self.vllm_server_timeout,
+            "metrics_poll_interval_s": self.metrics_poll_interval_s,
+            "metrics_interval_s": self.metrics_interval_s,
+        }
+        for name, value in positive.items():
+            if value <= 0:
+                raise ValueError(f"{name}={value}; it must be > 0")
+        if self.num_sampler_logprobs < 0 or self.vllm_max_retries < 0:
+            raise ValueError(
+                f"num_sampler_logprobs={self.num_sampler_logprobs}, vllm_max_retries={self.vllm_max_retries}; "
+                "both must be >= 0"
+            )
+        if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
+            raise ValueError(f"max_tool_calling_iterations={self.max_tool_calling_iterations}; use None or >= 0")
+
+    def _check_sampling(self) -> None:
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p}; it must be in (0, 1]")
+        if self.top_k < 0 or self.temperature < 0 or self.repetition_penalty <= 0:
+            raise ValueError(
+                f"top_k={self.top_k}, temperature={self.temperature}, repetition_penalty="
+                f"{self.repetition_penalty}; expected top_k >= 0, temperature >= 0, repetition_penalty > 0"
+            )
+        if self.top_p < 1.0 and self.top_k == 0:
+            raise ValueError(
+                f"top_p={self.top_p} needs top_k > 0: vLLM bounds the candidate set it reports by top_k. "
+                "Set top_k (e.g. top_k=512) or top_p=1.0."
+            )
+        if self.min_p is not None and (not 0.0 <= self.min_p <= 1.0 or self.top_k == 0):
+            raise ValueError(f"min_p={self.min_p} needs 0 <= min_p <= 1 and top_k > 0; set top_k or min_p=None")
+
+    @property
+    def truncates_vocabulary(self) -> bool:
+        """True when top-k/top-p/min-p restrict the candidate set, so sampling masks matter."""
+        return self.top_k > 0 or self.top_p < 1.0 or bool(self.min_p)
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The sampling parameters every request carries, by vLLM's names."""
+        fields: dict[str, Any] = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "repetition_penalty": self.repetition_penalty,
+            # Explicit so a server started with `--generation-config auto` cannot substitute its own.
+            "min_p": 0.0 if self.min_p is None else self.min_p,
+        }
+        return fields

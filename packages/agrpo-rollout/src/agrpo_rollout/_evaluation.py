@@ -1,0 +1,226 @@
+"""Evaluation: run a prompt set through the rollout loop and report reward, pass@1, pass@K, tokens/s.
+
+Owns eval datasets (a local JSONL/JSON/parquet file via `datasets`, or a procedural `reasoning-gym`
+task by name), the built-in reward functions of the CLI, `EvalReport` and `evaluate`. Does not know
+argument parsing (`__main__.py`) or training: it reuses `AsyncRolloutLoop` unchanged, so an eval
+samples exactly like training does (same client, tool loop, concurrency controller).
+
+pass@1 is the mean over prompts of the fraction of rollouts whose reward >= `pass_threshold`;
+pass@K is the fraction of prompts with at least one such rollout among their K. Rollouts no reward
+function scored count as failures.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._config import RolloutConfig
+from ._loop import AsyncRolloutLoop, GroupOutcome
+
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_FILE_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+def completion_text(completion: Any) -> str:
+    """The final answer text: the last assistant message's content, or the text of a text completion."""
+    if isinstance(completion, str):
+        return completion
+    for message in reversed(completion):
+        if message.get("role") == "assistant":
+            return message.get("content") or ""
+    return ""
+
+
+def extract_answer(text: str) -> str:
+    """The content of the last `<answer>...</answer>` if any, else the whole text, stripped."""
+    tagged = _ANSWER_TAG.findall(text)
+    return (tagged[-1] if tagged else text).strip()
+
+
+def exact_match(completions: list[Any], answer: list[Any] | None = None, **_: Any) -> list[float | None]:
+    """1.0 when the extracted answer equals the `answer` column (stripped), else 0.0; None without one."""
+    if answer is None:
+        return [None] * len(completions)
+    return [float(extract_answer(completion_text(c)) == str(a).strip()) for c, a in zip(completions, answer, strict=True)]
+
+
+def contains_answer(completions: list[Any], answer: list[Any] | None = None, **_: Any) -> list[float | None]:
+    """1.0 when the `answer` column appears in the completion text, else 0.0; None without one."""
+    if answer is None:
+        return [None] * len(completions)
+    return [float(str(a).strip() in completion_text(c)) for c, a in zip(completions, answer, strict=True)]
+
+
+def gym_score(completions: list[Any], entry: list[str] | None = None, **_: Any) -> list[float | None]:
+    """reasoning-gym's own scorer of each task (rows built by `load_eval_dataset` carry `entry`)."""
+    if entry is None:
+        return [None] * len(completions)
+    import reasoning_gym
+
+    scores = []
+    for completion, raw in zip(completions, entry, strict=True):
+        item = json.loads(raw)
+        score = reasoning_gym.get_score_answer_fn(item["metadata"]["source_dataset"])
+        scores.append(float(score(answer=extract_answer(completion_text(completion)), entry=item)))
+    return scores
+
+
+BUILTIN_REWARDS: dict[str, Callable[..., list[float | None]]] = {
+    "exact": exact_match,
+    "contains": contains_answer,
+    "gym": gym_score,
+}
+
+
+def resolve_reward(spec: str) -> Callable[..., list[float | None]]:
+    """A built-in name (`exact`, `contains`, `gym`) or `package.module:function`."""
+    if spec in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[spec]
+    module, _, name = spec.partition(":")
+    if not name:
+        raise ValueError(f"--reward {spec!r}: use one of {sorted(BUILTIN_REWARDS)} or `package.module:function`")
+    return getattr(importlib.import_module(module), name)
+
+
+def _as_messages(prompt: Any) -> Any:
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+
+
+def load_eval_dataset(
+    spec: str, *, num_prompts: int | None = None, prompt_column: str = "prompt", seed: int = 0, chat: bool = True
+) -> list[dict[str, Any]]:
+    """Rows with a `prompt` column from a local file, or `num_prompts` (default 100) reasoning-gym items."""
+    path = Path(spec)
+    if path.suffix in _FILE_SUFFIXES:
+        if not path.exists():
+            raise ValueError(f"--dataset {spec}: no such file")
+        import datasets
+
+        table = datasets.load_dataset(_FILE_SUFFIXES[path.suffix], data_files=str(path), split="train")
+        if prompt_column not in table.column_names:
+            raise ValueError(f"{spec} has columns {table.column_names}; pass --prompt-column naming the prompt")
+        rows = [dict(r) for r in table.select(range(min(num_prompts or len(table), len(table))))]
+        for row in rows:
+            prompt = row.pop(prompt_column)
+            row["prompt"] = _as_messages(prompt) if chat else prompt
+        return rows
+    try:
+        import reasoning_gym
+    except ImportError as exc:
+        raise ValueError(
+            f"--dataset {spec!r} is neither a .jsonl/.json/.parquet file nor usable as a reasoning-gym task: "
+            "install the extra (`pip install 'agrpo-rollout[gym]'`)"
+        ) from exc
+    items = reasoning_gym.create_dataset(spec, size=num_prompts or 100, seed=seed)
+    return [
+        {
+            "prompt": _as_messages(item["question"]) if chat else item["question"],
+            "answer": str(item["answer"]),
+            "entry": json.dumps(item, default=str),
+        }
+        for item in items
+    ]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EvalReport:
+    """The numbers one eval run prints."""
+
+    num_prompts: int
+    num_rollouts: int
+    k: int
+    mean_reward: float
+    """Mean over rollouts with a reward (NaN-free)."""
+    pass_at_1: float
+    pass_at_k: float
+    generated_tokens: int
+    wall_s: float
+    tokens_per_s: float
+
+    def as_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+
+def _records(outcome: GroupOutcome) -> list[dict[str, Any]]:
+    group = outcome.group
+    return [
+        {
+            "row_index": group.row_index,
+            "generation": i,
+            "prompt": group.prompts[i],
+            "completion": rollout.completion,
+            "reward": None if np.isnan(group.rewards[i]) else float(group.rewards[i]),
+            "rewards": {k: (None if np.isnan(v[i]) else float(v[i])) for k, v in group.rewards_by_func.items()},
+            "num_tokens": rollout.num_generated_tokens,
+            "num_turns": len(rollout.turns),
+            "clipped": rollout.clipped,
+        }
+        for i, rollout in enumerate(group.rollouts)
+    ]
+
+
+async def evaluate(
+    config: RolloutConfig,
+    *,
+    tokenizer: Any,
+    dataset: list[dict[str, Any]],
+    reward_funcs: list[Callable],
+    output_path: str | Path | None = None,
+    pass_threshold: float = 1.0,
+    progress: bool = True,
+    loop_cls: type[AsyncRolloutLoop] = AsyncRolloutLoop,
+) -> EvalReport:
+    """Generate `num_generations` rollouts per prompt once, score them, write JSONL, and report."""
+    from tqdm.auto import tqdm
+
+    loop = loop_cls(config, tokenizer=tokenizer, dataset=dataset, reward_funcs=reward_funcs, max_epochs=1)
+    records: list[dict[str, Any]] = []
+    bar = tqdm(total=len(dataset), desc="eval", unit="prompt", disable=not progress)
+
+    def on_group(outcome: GroupOutcome) -> None:
+        if outcome.group is not None:
+            records.extend(_records(outcome))
+        bar.update(1)
+
+    async def discard(_sample: Any) -> None:
+        return None
+
+    start = time.monotonic()
+    try:
+        await loop.run(discard, on_group=on_group)
+    finally:
+        bar.close()
+    wall = time.monotonic() - start
+    if output_path is not None:
+        with open(output_path, "w") as out:
+            out.writelines(json.dumps(r, default=str) + "\n" for r in records)
+    return _report(records, config.num_generations, pass_threshold, wall)
+
+
+def _report(records: list[dict[str, Any]], k: int, pass_threshold: float, wall_s: float) -> EvalReport:
+    by_prompt: dict[int, list[bool]] = {}
+    rewards = [r["reward"] for r in records if r["reward"] is not None]
+    for record in records:
+        passed = record["reward"] is not None and record["reward"] >= pass_threshold
+        by_prompt.setdefault(record["row_index"], []).append(passed)
+    tokens = sum(r["num_tokens"] for r in records)
+    return EvalReport(
+        num_prompts=len(by_prompt),
+        num_rollouts=len(records),
+        k=k,
+        mean_reward=float(np.mean(rewards)) if rewards else float("nan"),
+        pass_at_1=float(np.mean([np.mean(p) for p in by_prompt.values()])) if by_prompt else 0.0,
+        pass_at_k=float(np.mean([any(p) for p in by_prompt.values()])) if by_prompt else 0.0,
+        generated_tokens=tokens,
+        wall_s=wall_s,
+        tokens_per_s=tokens / wall_s if wall_s > 0 else 0.0,
+    )

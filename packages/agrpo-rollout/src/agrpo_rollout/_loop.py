@@ -1,0 +1,370 @@
+"""`AsyncRolloutLoop`: generate, score and emit GRPO groups from a vLLM server, on one event loop.
+
+Owns the overridable steps (`filter_prompt`, `generate_one`, `generate_one_turn`,
+`compute_advantages`, `setup`, `close`) and `run`, the producer. Does not own processes or queues:
+the caller passes a `sink` for samples, a `policy_version` callable, and optional `on_group` and
+`metrics_sink` callables; the trainer's rollout process wraps its multiprocessing queue in them.
+
+Data flow of `run` (every arrow is in this file):
+
+    PromptSource ──filter_prompt──> dispatch ──(a live slot per rollout)──> _run_rollout
+      ──generate_one──> Rollout ──build_sequences──> collected per group
+      ──score queue (score_queue_maxsize)──> _score_group: rewards, compute_advantages, keep/drop
+      ──> sink(RolloutSample) for each sequence of a kept group; on_group(GroupOutcome) for every group
+
+Customise by subclassing at module level (the loop is pickled into a spawned process) and override
+only what changes; create clients in `setup`, not `__init__`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._assistant_message import parse_assistant_turn, parser_kind
+from ._client import VLLMClient
+from ._concurrency import ConcurrencyController
+from ._config import RolloutConfig
+from ._conversation import Conversation, render_prompt, with_reset_text
+from ._environment import EnvironmentPool
+from ._group import RolloutGroup, group_advantages, is_trainable
+from ._prompt_source import PromptSource
+from ._reward import RewardScorer, sum_rewards
+from ._rollout import Rollout
+from ._rollout_metrics import RolloutMetrics
+from ._sample import RolloutSample
+from ._sequence import TrainingSequence, build_sequences
+from ._toolbox import Toolbox
+from ._turn import TurnRecord
+
+logger = logging.getLogger("agrpo_rollout")
+
+
+@dataclass(frozen=True, slots=True)
+class GroupOutcome:
+    """What became of one drawn prompt; `on_group` receives one per prompt (epoch accounting)."""
+
+    row_index: int
+    epoch: int
+    group_id: int
+    """-1 for a prompt `filter_prompt` rejected."""
+    kept: bool
+    reason: str
+    """"" when kept; `filtered`, `zero_std` or `unscorable` otherwise."""
+    num_samples: int
+    group: RolloutGroup | None
+
+
+@dataclass(slots=True)
+class _Finished:
+    """One rollout with what scoring needs."""
+
+    prompt: Any
+    rollout: Rollout
+    sequences: list[TrainingSequence]
+    env_reward: tuple[type, float] | None
+
+
+class AsyncRolloutLoop:
+    """Generates and scores GRPO groups; see the module docstring for the flow."""
+
+    def __init__(
+        self,
+        config: RolloutConfig,
+        *,
+        tokenizer: Any,
+        dataset: Any = None,
+        reward_funcs: Callable | list[Callable] | None = None,
+        tools: list[Callable] | None = None,
+        environment_factory: Callable[[], object] | Mapping[str, Callable[[], object]] | None = None,
+        start_index: int = 0,
+        max_epochs: int | None = None,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.dataset = dataset
+        self.reward_funcs = [] if reward_funcs is None else (reward_funcs if isinstance(reward_funcs, list) else [reward_funcs])
+        self.tools = list(tools or [])
+        self.environment_factory = environment_factory
+        self.start_index = start_index
+        self.max_epochs = max_epochs
+        self.metrics = RolloutMetrics()
+
+    # ---- overridable steps -------------------------------------------------------------------
+
+    def filter_prompt(self, row_index: int, row: Mapping[str, Any], epoch: int) -> bool:
+        """Whether to generate for this prompt; rejected prompts count as consumed. Default: all."""
+        return True
+
+    async def setup(self) -> None:
+        """Create resources other hooks need, on the loop's event loop. Default: nothing."""
+
+    async def close(self) -> None:
+        """Release what `setup` created; runs when the loop stops, also after a failure. Default: nothing."""
+
+    async def generate_one_turn(self, prompt_ids: list[int], max_tokens: int | None = None) -> TurnRecord:
+        """One vLLM sampling request with the config's sampling parameters (`max_tokens` caps the turn)."""
+        return await self.client.sample(prompt_ids, max_tokens=max_tokens)
+
+    async def generate_one(self, prompt: Any, tools: Any, group_id: int = 0) -> Rollout:
+        """One rollout: the multi-turn tool loop for message prompts, one turn for text prompts."""
+        toolbox = tools if isinstance(tools, Toolbox) else Toolbox(list(tools or []))
+        if isinstance(prompt, str):
+            return await self._generate_text(prompt)
+        talk = Conversation(messages=list(prompt), budget=self.config.max_completion_length)
+        kwargs = self.config.chat_template_kwargs or {}
+        exhausted = False
+        while True:
+            prompt_ids = render_prompt(self.tokenizer, talk.messages, toolbox.schemas, kwargs)
+            turn = await self._turn(prompt_ids, talk.budget)
+            message = parse_assistant_turn(self.tokenizer, turn.output_ids, turn.prompt_ids, self._parser_kind)
+            self.metrics.parse_failure_total += message.parse_error is not None
+            talk.add_turn(turn, message)
+            if not message.tool_calls or not toolbox or talk.budget <= 0 or not turn.stopped:
+                break
+            limit = self.config.max_tool_calling_iterations
+            if limit is not None and talk.tool_rounds >= limit:
+                exhausted = True
+                break
+            outcomes = await toolbox.run(message.tool_calls, self._executor)
+            self.metrics.record_tool_turn(outcomes)
+            talk.add_tool_messages([o.as_chat_message() for o in outcomes], sum(o.failed for o in outcomes))
+        return Rollout(
+            completion=talk.completion,
+            completion_ids=talk.completion_ids,
+            turns=talk.turns,
+            tool_call_count=talk.tool_calls,
+            tool_failure_count=talk.tool_failures,
+            clipped=not talk.turns[-1].stopped,
+            tool_loop_exhausted=exhausted,
+        )
+
+    def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
+        """(G,) advantages in `group.rewards` order: rewards standardised in the group, NaN -> 0."""
+        return group_advantages(group.rewards)
+
+    # ---- helpers of the default steps ------------------------------------------------------------
+
+    async def _turn(self, prompt_ids: list[int], budget: int) -> TurnRecord:
+        if self._turn_takes_max_tokens:
+            return await self.generate_one_turn(prompt_ids, max_tokens=budget)
+        return await self.generate_one_turn(prompt_ids)
+
+    async def _generate_text(self, prompt: str) -> Rollout:
+        prompt_ids = self.tokenizer.encode(prompt)
+        turn = await self._turn(prompt_ids, self.config.max_completion_length)
+        text = parse_assistant_turn(self.tokenizer, turn.output_ids, prompt_ids, "plain").content
+        return Rollout(completion=text, completion_ids=turn.output_ids.tolist(), turns=[turn], clipped=not turn.stopped)
+
+    # ---- the producer ------------------------------------------------------------------------
+
+    async def _prepare(self) -> None:
+        """Build what `run` needs: client (probed), controller, thread pool, tools, environments."""
+        self.client = await VLLMClient(self.config).open()
+        server = await self.client.probe()
+        initial = server.initial_concurrency(self.config.max_concurrent_rollouts) if server.kv_cache_tokens else None
+        self.controller = ConcurrencyController(self.config.max_concurrent_rollouts, initial)
+        self._executor = ThreadPoolExecutor(self.config.tool_threads or self.config.max_concurrent_rollouts)
+        self._toolbox = Toolbox(self.tools)
+        self._environments = None if self.environment_factory is None else EnvironmentPool(self.environment_factory)
+        self._scorer = RewardScorer(self.reward_funcs)
+        self._parser_kind = parser_kind(self.tokenizer)
+        self._turn_takes_max_tokens = "max_tokens" in inspect.signature(self.generate_one_turn).parameters
+        self._warned_no_reward = False
+
+    async def _teardown(self) -> None:
+        await self.client.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _run_rollout(self, row: Mapping[str, Any], group_id: int) -> _Finished:
+        start = time.monotonic()
+        try:
+            prompt, tools, env = row.get("prompt", []), self._toolbox, None
+            if self._environments is not None:
+                env = await self._environments.acquire(row, self._executor)
+                self.metrics.env_reset_s.append(env[3])
+                prompt, tools = with_reset_text(prompt, env[2]), tools + self._environments.toolbox(env[1])
+            rollout = await self.generate_one(prompt, tools, group_id)
+            env_reward = None
+            if env is not None:
+                value, seconds = await self._environments.reward(env[1], self._executor)
+                if value is not None:
+                    self.metrics.env_reward_s.append(seconds)
+                    env_reward = (type(env[1]), value)
+                self._environments.release(env[0], env[1])
+        finally:
+            await self.controller.release()
+        sequences, stats = build_sequences(rollout.turns, rollout.rollout_id)
+        self.metrics.record_rollout(rollout, time.monotonic() - start, stats, len(sequences))
+        return _Finished(prompt, rollout, sequences, env_reward)
+
+    async def _collect_group(self, tasks: list[asyncio.Task], group: RolloutGroup, queue: asyncio.Queue) -> None:
+        finished = await asyncio.gather(*tasks)
+        group.prompts = [f.prompt for f in finished]
+        group.rollouts = [f.rollout for f in finished]
+        group.completions = [f.rollout.completion for f in finished]
+        group.completions_ids = [f.rollout.completion_ids for f in finished]
+        group.completions_sequences = [f.sequences for f in finished]
+        group.tool_call_counts = [f.rollout.tool_call_count for f in finished]
+        group.tool_failure_counts = [f.rollout.tool_failure_count for f in finished]
+        group.env_rewards = [f.env_reward for f in finished]
+        group.rollout_rewards = [f.rollout.reward for f in finished]
+        group.queued_at = time.monotonic()
+        blocked = time.monotonic()
+        await queue.put(group)
+        self.metrics.score_block_s += time.monotonic() - blocked
+
+    async def _reward_columns(self, group: RolloutGroup) -> None:
+        columns = await self._scorer.score(
+            group.prompts, group.completions, group.completions_ids, group.reward_kwargs, self._executor
+        )
+        if any(e is not None for e in group.env_rewards):
+            name = next(e[0].__name__ for e in group.env_rewards if e is not None)
+            columns[name] = np.asarray([np.nan if e is None else e[1] for e in group.env_rewards], dtype=np.float64)
+        if any(r is not None for r in group.rollout_rewards):
+            columns["rollout"] = np.asarray([np.nan if r is None else r for r in group.rollout_rewards], dtype=np.float64)
+        group.rewards_by_func = columns
+        if columns:
+            group.rewards = sum_rewards(list(columns.values()))
+            return
+        if not self._warned_no_reward:
+            logger.warning("no reward source scored this group: pass reward_funcs, an environment with get_reward, or set Rollout.reward")
+            self._warned_no_reward = True
+        group.rewards = np.full(len(group.prompts), np.nan)
+
+    def _samples(self, group: RolloutGroup, advantages: np.ndarray) -> list[RolloutSample]:
+        scored = group.rewards[~np.isnan(group.rewards)]
+        stds = {k: float(np.nanstd(v)) if not np.all(np.isnan(v)) else 0.0 for k, v in group.rewards_by_func.items()}
+        samples = []
+        for i, sequences in enumerate(group.completions_sequences):
+            for sequence in sequences:
+                samples.append(
+                    RolloutSample.from_sequence(
+                        sequence,
+                        advantage=float(advantages[i]),
+                        group_id=group.group_id,
+                        policy_version=group.model_version,
+                        reward=float(group.rewards[i]),
+                        group_reward_std=float(scored.std()) if scored.size else 0.0,
+                        rewards_by_func={k: float(v[i]) for k, v in group.rewards_by_func.items()},
+                        group_rewards_by_func_std=stds,
+                        row_index=group.row_index,
+                        epoch=group.epoch,
+                        num_generated_tokens=len(group.completions_ids[i]),
+                    )
+                )
+        return samples
+
+    async def _score_groups(self, queue: asyncio.Queue, sink: Callable, on_group: Callable | None) -> None:
+        while (group := await queue.get()) is not None:
+            self.metrics.score_wait_s.append(time.monotonic() - group.queued_at)
+            start = time.monotonic()
+            await self._reward_columns(group)
+            advantages = np.asarray(self.compute_advantages(group), dtype=np.float32)
+            kept, reason = is_trainable(group.rewards)
+            self.metrics.score_s.append(time.monotonic() - start)
+            self.metrics.record_group(group.rewards, kept, reason)
+            samples = self._samples(group, advantages) if kept else []
+            for sample in samples:
+                blocked = time.monotonic()
+                sample.enqueued_at = time.time()
+                result = sink(sample) if inspect.iscoroutinefunction(sink) else await asyncio.to_thread(sink, sample)
+                if inspect.isawaitable(result):
+                    await result
+                self.metrics.backpressure_s += time.monotonic() - blocked
+            if on_group is not None:
+                on_group(GroupOutcome(group.row_index, group.epoch, group.group_id, kept, reason, len(samples), group))
+
+    async def _dispatch(self, queue: asyncio.Queue, policy_version: Callable[[], int], on_group, max_groups) -> None:
+        source = PromptSource(self.dataset, start_index=self.start_index, max_epochs=self.max_epochs)
+        group_id = 0
+        for draw in source.draws(self.filter_prompt):
+            if max_groups is not None and group_id >= max_groups:
+                break
+            if not draw.accepted:
+                if on_group is not None:
+                    on_group(GroupOutcome(draw.row_index, draw.epoch, -1, False, "filtered", 0, None))
+                continue
+            columns = {k: [v] * self.config.num_generations for k, v in draw.row.items() if k != "prompt"}
+            group = RolloutGroup([], columns, [], [], [], [], [], 0, group_id, draw.row_index, [], [], epoch=draw.epoch)
+            tasks = []
+            for _ in range(self.config.num_generations):
+                await self.controller.acquire()
+                if not tasks:
+                    group.model_version = int(policy_version())
+                tasks.append(self._spawn(self._run_rollout(draw.row, group_id)))
+            self._collectors.add(self._spawn(self._collect_group(tasks, group, queue)))
+            for collector in [c for c in self._collectors if c.done()]:
+                self._collectors.discard(collector)
+                collector.result()
+            group_id += 1
+        await asyncio.gather(*self._collectors)
+        await queue.put(None)
+
+    def _spawn(self, coroutine: Awaitable) -> asyncio.Task:
+        """A task cancelled with the loop if the loop stops or fails."""
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _metric_snapshot(self, queue: asyncio.Queue) -> dict[str, float]:
+        out = self.metrics.flush()
+        out.update(self.controller.metrics())
+        out["rollout/vllm_retry_total"] = float(self.client.retry_total)
+        out["rollout/score_queue_size"] = float(queue.qsize())
+        return out
+
+    async def _push_metrics(self, queue: asyncio.Queue, metrics_sink: Callable[[dict], Any]) -> None:
+        while True:
+            await asyncio.sleep(self.config.metrics_interval_s)
+            metrics_sink(self._metric_snapshot(queue))
+
+    async def run(
+        self,
+        sink: Callable[[RolloutSample], Awaitable[None] | None],
+        *,
+        policy_version: Callable[[], int] = lambda: 0,
+        on_group: Callable[[GroupOutcome], None] | None = None,
+        metrics_sink: Callable[[dict[str, float]], Any] | None = None,
+        max_groups: int | None = None,
+    ) -> None:
+        """Produce samples until the dataset's epochs or `max_groups` run out (cancel the task to stop).
+
+        `sink` gets every sample of every kept group: an `async def` is awaited; a plain callable runs
+        in a thread, so a blocking `queue.put` throttles generation (`rollout/backpressure_s`).
+        `metrics_sink` gets a metrics dict every `metrics_interval_s` seconds (a heartbeat too) and
+        once at the end. `policy_version()` is read when a group's first rollout is dispatched.
+        """
+        await self._prepare()
+        queue: asyncio.Queue = asyncio.Queue(self.config.score_queue_maxsize)
+        self._tasks, self._collectors = set(), set()
+        try:
+            await self.setup()
+            self._spawn(self.controller.poll(self.client.load, self.config.metrics_poll_interval_s))
+            if metrics_sink is not None:
+                self._spawn(self._push_metrics(queue, metrics_sink))
+            scorer = self._spawn(self._score_groups(queue, sink, on_group))
+            dispatch = self._spawn(self._dispatch(queue, policy_version, on_group, max_groups))
+            done, _ = await asyncio.wait({scorer, dispatch}, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                task.result()
+            await scorer
+            if metrics_sink is not None:
+                metrics_sink(self._metric_snapshot(queue))
+        finally:
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            try:
+                await self.close()
+            finally:
+                await self._teardown()

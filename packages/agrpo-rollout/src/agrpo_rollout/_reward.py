@@ -1,0 +1,70 @@
+"""`RewardScorer`: runs reward functions over a group and sums reward sources.
+
+Owns the reward-function contract: `func(prompts=..., completions=..., completion_ids=..., **columns)`
+returns one float or None per rollout; sync functions run in the tool thread pool, async ones on the
+loop, all functions of a group concurrently. `None` (and NaN) exclude that source for that rollout;
+a rollout no source scored gets NaN. Does not know advantages or environments (their rewards arrive
+as extra columns).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from typing import Any
+
+import numpy as np
+
+
+def reward_name(func: Callable) -> str:
+    """A reward function's metric name: its `__name__`, the wrapped function's, or its class name."""
+    while isinstance(func, functools.partial):
+        func = func.func
+    return getattr(func, "__name__", None) or type(func).__name__
+
+
+def sum_rewards(columns: Sequence[np.ndarray]) -> np.ndarray:
+    """(G,) sum over sources ignoring NaN; NaN where every source is NaN."""
+    if not columns:
+        raise ValueError("no reward source: pass reward_funcs, an environment with get_reward, or set Rollout.reward")
+    stacked = np.stack([np.asarray(c, dtype=np.float64) for c in columns])
+    scored = ~np.isnan(stacked)
+    return np.where(scored.any(axis=0), np.where(scored, stacked, 0.0).sum(axis=0), np.nan)
+
+
+class RewardScorer:
+    """The reward functions of a loop, by name."""
+
+    def __init__(self, reward_funcs: Sequence[Callable] = ()) -> None:
+        self.funcs = list(reward_funcs)
+        self.names = [reward_name(f) for f in self.funcs]
+        if len(set(self.names)) != len(self.names):
+            raise ValueError(f"reward functions share names {self.names}; give each a distinct __name__")
+
+    async def _run_one(self, func: Callable, kwargs: dict[str, Any], executor: Executor | None) -> Any:
+        if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None)):
+            return await func(**kwargs)
+        result = await asyncio.get_running_loop().run_in_executor(executor, functools.partial(func, **kwargs))
+        return await result if inspect.isawaitable(result) else result
+
+    async def score(
+        self,
+        prompts: list[Any],
+        completions: list[Any],
+        completion_ids: list[list[int]],
+        reward_kwargs: dict[str, list[Any]],
+        executor: Executor | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Name -> (G,) float64 rewards, NaN where a function returned None."""
+        kwargs = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **reward_kwargs}
+        results = await asyncio.gather(*(self._run_one(f, kwargs, executor) for f in self.funcs))
+        out = {}
+        for name, values in zip(self.names, results, strict=True):
+            values = list(values)
+            if len(values) != len(prompts):
+                raise ValueError(f"reward function {name} returned {len(values)} values for {len(prompts)} completions")
+            out[name] = np.asarray([np.nan if v is None else float(v) for v in values], dtype=np.float64)
+        return out

@@ -1,0 +1,153 @@
+"""`ServerInfo`: what a vLLM server can do, read once at start-up, and the checks against a config.
+
+Owns the start-up probe (`/v1/models`, `/metrics`, `/server_info`, the token-in/token-out route) and
+the errors and warnings that name the server flag to add. Does not own HTTP or retries: the probe
+takes any object with the client's `request` coroutine.
+
+What is read where:
+- `max_model_len` and the served names (LoRA adapters appear with a `parent`): `GET /v1/models`;
+- KV capacity: `kv_cache_size_tokens` of `vllm:cache_config_info` in `GET /metrics`;
+- dtype, `--logprobs-mode`, `--max-logprobs`, `--return-sampling-mask`, LoRA limits:
+  `GET /server_info?config_format=json` (only with `VLLM_SERVER_DEV_MODE=1`; unknown otherwise);
+- `--enable-scale-out`: `POST /inference/v1/generate` with an empty body answers 403 without it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from ._config import RolloutConfig
+from ._exceptions import ServerConfigError
+from ._server_load import ServerLoad
+
+logger = logging.getLogger("agrpo_rollout")
+
+GENERATE_PATH = "/inference/v1/generate"
+COMPLETIONS_PATH = "/v1/completions"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ServerInfo:
+    """Start-up facts about one vLLM server; None where the server does not say."""
+
+    base_url: str
+    """The server's base URL."""
+    served_models: tuple[str, ...]
+    """Names `/v1/models` lists: the base model and any loaded LoRA adapters."""
+    model_name: str
+    """The name requests use (the config's, or the first served model)."""
+    max_model_len: int
+    """Longest prompt + completion the server accepts, in tokens."""
+    kv_cache_tokens: int | None
+    """KV-cache capacity in tokens, summed over engines."""
+    dtype: str | None
+    """Model dtype as the server reports it, e.g. `torch.bfloat16`."""
+    logprobs_mode: str | None
+    """`--logprobs-mode`; `processed_logprobs` makes log-probs match the sampling distribution."""
+    max_logprobs: int | None
+    """`--max-logprobs`: the most top log-probs one request may ask for."""
+    return_sampling_mask: bool
+    """`--return-sampling-mask`: the engine records each token's candidate set."""
+    scale_out: bool
+    """`--enable-scale-out`: the token-in/token-out `/inference/v1/generate` route is served."""
+    lora_max_loras: int | None
+    """`--max-loras`, None when LoRA is off or unknown."""
+    lora_max_rank: int | None
+    """`--max-lora-rank`, None when LoRA is off or unknown."""
+
+    @property
+    def uses_generate_endpoint(self) -> bool:
+        """Sampling masks come only from the token-in/token-out route, with both flags on."""
+        return self.scale_out and self.return_sampling_mask
+
+    def initial_concurrency(self, bound: int) -> int:
+        """Requests that fit at full length (`KV tokens // max_model_len`), within [1, bound]."""
+        if not self.kv_cache_tokens:
+            return bound
+        return max(1, min(bound, self.kv_cache_tokens // self.max_model_len))
+
+    def check(self, config: RolloutConfig) -> list[str]:
+        """Raise `ServerConfigError` for what cannot work; return warnings for what works degraded."""
+        if config.model_name is not None and config.model_name not in self.served_models:
+            raise ServerConfigError(
+                f"model_name={config.model_name!r} is not served by {self.base_url} (it serves "
+                f"{list(self.served_models)}); set model_name to one of those or load the adapter first"
+            )
+        needed = config.num_sampler_logprobs + (1 if self.uses_generate_endpoint else 0)
+        if self.max_logprobs is not None and 0 <= self.max_logprobs < needed:
+            raise ServerConfigError(
+                f"num_sampler_logprobs={config.num_sampler_logprobs} needs the server to allow {needed} log-probs "
+                f"per token but it runs with --max-logprobs {self.max_logprobs}; restart it with "
+                f"--max-logprobs {max(needed, 20)} or lower num_sampler_logprobs"
+            )
+        warnings = []
+        if config.num_sampler_logprobs and self.logprobs_mode not in (None, "processed_logprobs"):
+            warnings.append(
+                f"the server runs with --logprobs-mode {self.logprobs_mode}: sampler log-probs ignore temperature "
+                "and top-k/top-p, so importance ratios are biased; restart it with --logprobs-mode processed_logprobs"
+            )
+        if config.truncates_vocabulary and not self.uses_generate_endpoint:
+            missing = [
+                flag
+                for flag, on in (("--enable-scale-out", self.scale_out), ("--return-sampling-mask", self.return_sampling_mask))
+                if not on
+            ]
+            warnings.append(
+                f"top_k={config.top_k}, top_p={config.top_p} truncate the vocabulary but the server cannot return "
+                f"sampling masks (missing {' '.join(missing)}); log-probs will be normalised over the whole "
+                "vocabulary and importance ratios are biased. Restart vLLM (>= 0.28, V2 model runner) with "
+                "--enable-scale-out --return-sampling-mask to fix it"
+            )
+        if config.max_completion_length >= self.max_model_len:
+            warnings.append(
+                f"max_completion_length={config.max_completion_length} >= the server's max_model_len="
+                f"{self.max_model_len}; each turn is capped at max_model_len minus its prompt"
+            )
+        return warnings
+
+
+def _lora(config: dict[str, Any]) -> tuple[int | None, int | None]:
+    lora = config.get("lora_config") or {}
+    return lora.get("max_loras"), lora.get("max_lora_rank")
+
+
+async def probe_server(client: Any, config: RolloutConfig) -> ServerInfo:
+    """Read the facts of `ServerInfo` through `client.request(method, path, ...)`, then `check` them."""
+    models = (await client.request("GET", "/v1/models")).json()["data"]
+    names = tuple(m["id"] for m in models)
+    model_name = config.model_name or names[0]
+    by_name = {m["id"]: m for m in models}
+    entry = by_name.get(model_name) or by_name[names[0]]
+    root = by_name.get(entry.get("parent") or "", entry)
+    metrics = await client.request("GET", "/metrics", allow_status=(404,))
+    load = ServerLoad.from_text(metrics.text) if metrics.status_code == 200 else None
+    info = await client.request("GET", "/server_info", params={"config_format": "json"}, allow_status=(404,))
+    vllm_config = info.json().get("vllm_config", {}) if info.status_code == 200 else {}
+    model_config = vllm_config.get("model_config", {}) if isinstance(vllm_config, dict) else {}
+    probe = await client.request("POST", GENERATE_PATH, json={}, allow_status=(400, 403, 404, 405, 422))
+    max_loras, max_rank = _lora(vllm_config) if isinstance(vllm_config, dict) else (None, None)
+    server = ServerInfo(
+        base_url=client.base_url,
+        served_models=names,
+        model_name=model_name,
+        max_model_len=int(entry.get("max_model_len") or root.get("max_model_len")),
+        kv_cache_tokens=load.kv_cache_tokens if load is not None else None,
+        dtype=model_config.get("dtype"),
+        logprobs_mode=model_config.get("logprobs_mode"),
+        max_logprobs=model_config.get("max_logprobs"),
+        return_sampling_mask=bool(model_config.get("return_sampling_mask", False)),
+        scale_out=probe.status_code in (400, 422),
+        lora_max_loras=max_loras,
+        lora_max_rank=max_rank,
+    )
+    if not vllm_config:
+        logger.warning(
+            "%s has no /server_info (start it with VLLM_SERVER_DEV_MODE=1 to expose it); dtype, "
+            "--logprobs-mode, --max-logprobs and --return-sampling-mask cannot be checked",
+            client.base_url,
+        )
+    for warning in server.check(config):
+        logger.warning(warning)
+    return server

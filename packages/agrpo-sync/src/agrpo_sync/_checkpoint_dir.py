@@ -1,0 +1,73 @@
+"""Writing a directory of safetensors atomically, for servers that read weights from disk.
+
+Owns host copies of gathered tensors (safetensors refuses tensors that share storage), sharded or
+single-file layouts (sharded: one file per gather bucket plus `model.safetensors.index.json`), and the
+publish step: everything is written under `<dir>.partial` and renamed into place only when complete,
+so the server never reads a half-written version. Does not know what the files are for (full weights
+or a LoRA adapter) or the server.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+INDEX_FILE = "model.safetensors.index.json"
+
+Bucket = list[tuple[str, torch.Tensor]]
+
+
+def host_copy(tensors: Bucket) -> dict[str, torch.Tensor]:
+    """CPU tensors by name, each owning its memory."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in tensors:
+        host = tensor.detach().to("cpu").contiguous()
+        pointer = host.untyped_storage().data_ptr()
+        out[name] = host.clone() if pointer in seen else host
+        seen.add(pointer)
+    return out
+
+
+def _write_shards(buckets: Iterable[Bucket], directory: Path) -> None:
+    weight_map: dict[str, str] = {}
+    total = 0
+    for index, bucket in enumerate(buckets):
+        file_name = f"model-{index + 1:05d}.safetensors"
+        tensors = host_copy(bucket)
+        save_file(tensors, str(directory / file_name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file_name))
+        total += sum(t.nbytes for t in tensors.values())
+    index_body = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / INDEX_FILE).write_text(json.dumps(index_body, indent=1))
+
+
+def write_checkpoint(
+    buckets: Iterable[Bucket],
+    directory: Path,
+    *,
+    single_file: str = "",
+    extra_files: Callable[[Path], None] | None = None,
+) -> Path:
+    """Write `buckets` into `directory` (replacing it): shards plus index, or all in `single_file`.
+
+    `extra_files(partial_dir)` adds files such as `adapter_config.json` before the directory is published.
+    """
+    partial = directory.with_name(directory.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    if single_file:
+        tensors = {name: t for bucket in buckets for name, t in host_copy(bucket).items()}
+        save_file(tensors, str(partial / single_file), metadata={"format": "pt"})
+    else:
+        _write_shards(buckets, partial)
+    if extra_files is not None:
+        extra_files(partial)
+    shutil.rmtree(directory, ignore_errors=True)
+    partial.rename(directory)
+    return directory

@@ -1,0 +1,47 @@
+"""The errors agrpo-sync raises on purpose.
+
+Owns the hierarchy. Errors about the user's setup (server flags, config values) subclass `ValueError`
+and name the fix; errors about something that went wrong while talking to the server subclass
+`WeightSyncError` and say what happened and in which state the server was left.
+
+    ValueError
+    └── SyncSetupError           the config or the server's flags cannot do the requested sync
+    RuntimeError
+    └── WeightSyncError          a weight sync could not be completed
+        ├── ServerRequestError   an HTTP call to the server failed (endpoint, status, body)
+        ├── TransportError       the NCCL (or test) transport failed: library, rendezvous, collective
+        └── TransferFailedError  a transfer failed; says whether the server still serves the last good version
+"""
+
+from __future__ import annotations
+
+
+class SyncSetupError(ValueError):
+    """The server or the config cannot do the requested sync; the message names the flag or field to change."""
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync could not be completed."""
+
+
+class ServerRequestError(WeightSyncError):
+    """An HTTP call to the vLLM server failed or answered an error status."""
+
+    def __init__(self, endpoint: str, status: int | None, detail: str) -> None:
+        self.endpoint = endpoint
+        self.status = status
+        self.detail = detail
+        seen = f"HTTP {status}" if status is not None else "no answer"
+        super().__init__(f"{endpoint}: {seen}: {detail}")
+
+
+class TransportError(WeightSyncError):
+    """The byte transport (NCCL through ctypes, or a test transport) failed."""
+
+
+class TransferFailedError(WeightSyncError):
+    """A transfer failed. `server_state` says what the server serves now; `cause` is the underlying error."""
+
+    def __init__(self, message: str, *, server_state: str) -> None:
+        self.server_state = server_state
+        super().__init__(f"{message}; {server_state}")

@@ -1,0 +1,187 @@
+"""`NcclBackend`: full weights over the server's `nccl` weight-transfer protocol, without importing vLLM.
+
+Owns the protocol sequence on the trainer side (rank 0 of the NCCL group):
+  once:      GET /get_world_size -> W; mint a unique id; POST /init_weight_transfer_engine with
+             {nccl_unique_id_b64, rank_offset: 1, world_size: 1+W, packed: true, packed_buffer_size_bytes,
+             packed_num_buffers} on a background thread while joining the group and doing the warm-up
+             all-reduce here; both must succeed.
+  each sync: POST /start_weight_update; POST /update_weights {names, dtype_names, shapes} on a background
+             thread while broadcasting the packed chunks; POST /finish_weight_update {weight_version}.
+and what a failure leaves behind. Does not know pausing or ranks (`WeightSync`), the wire format
+(`_wire_format.py`) or NCCL itself (`ChunkTransport`).
+
+Failures: if the server rejects the update before any chunk was broadcast, `finish_weight_update` puts
+every layer's old tensors back (vLLM's layerwise reload restores layers that received nothing), so the
+server serves the last good version. Once chunks have been broadcast, the layers they carried are
+already replaced: the group is aborted, and the next sync re-joins with a fresh unique id and re-sends
+everything. A server stuck inside an NCCL call can only be restarted; the error says which case it was.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from typing import ClassVar
+
+import torch
+
+from ._background_call import BackgroundCall
+from ._config import WeightSyncConfig
+from ._exceptions import ServerRequestError, TransportError
+from ._nccl_transport import NcclTransport
+from ._param_stream import ParamStream
+from ._server_control import ServerControl, ServerInfo
+from ._transport import ChunkTransport
+from ._wire_format import ChunkPlan, TensorMeta, chunk_tensors, pack_chunk, plan_chunks, update_info
+
+
+def _wait_both(server: BackgroundCall, local: BackgroundCall, timeout_s: float) -> None:
+    """Wait for both halves of a rendezvous; the first failure wins (the other half may never return)."""
+    deadline = time.monotonic() + timeout_s
+    while not (server.done() and local.done()):
+        if server.failed():
+            server.wait(0)
+        if local.failed():
+            local.wait(0)
+        if time.monotonic() > deadline:
+            raise TransportError(f"NCCL rendezvous with the server did not complete within {timeout_s:.0f} s")
+        server.join(0.01)
+    server.wait(0)
+    local.wait(0)
+
+
+class NcclBackend:
+    """Sends full weights as packed uint8 chunks over NCCL to every worker of one vLLM server."""
+
+    name: ClassVar[str] = "nccl"
+    pauses: ClassVar[bool] = True
+    view: ClassVar[str] = "full"
+
+    def __init__(
+        self, *, control: ServerControl, transport: ChunkTransport, config: WeightSyncConfig
+    ) -> None:
+        self.control = control
+        self.transport = transport
+        self.buffer_size_bytes = config.packed_buffer_size_bytes
+        self.num_buffers = config.packed_num_buffers
+        self.timeout_s = config.transfer_timeout_s
+        self.connected = False
+        self.chunks_sent = 0
+        self.num_chunks = 0
+        self._started = False
+        self._update: BackgroundCall | None = None
+
+    @classmethod
+    def from_config(cls, config: WeightSyncConfig, control: ServerControl, transport: ChunkTransport | None):
+        if transport is None:
+            transport = NcclTransport(
+                library_path=config.nccl_library,
+                device_index=config.device_index,
+                num_slots=config.packed_num_buffers,
+            )
+        return cls(control=control, transport=transport, config=config)
+
+    def setup(self, model: torch.nn.Module, stream: ParamStream, info: ServerInfo) -> None:
+        self.connect()
+
+    def connect(self) -> None:
+        """Join the server's NCCL group as rank 0 (the server's half runs on a background thread)."""
+        world_size = 1 + self.control.world_size()
+        unique_id = self.transport.new_unique_id()
+        init_info = {
+            "nccl_unique_id_b64": base64.b64encode(unique_id).decode("ascii"),
+            "rank_offset": 1,
+            "world_size": world_size,
+            "packed": True,
+            "packed_buffer_size_bytes": self.buffer_size_bytes,
+            "packed_num_buffers": self.num_buffers,
+        }
+        server = BackgroundCall(
+            self.control.init_weight_transfer, init_info, name="agrpo-sync-nccl-init"
+        ).start()
+        local = BackgroundCall(
+            self.transport.connect, unique_id, 0, world_size, name="agrpo-sync-nccl-join"
+        ).start()
+        try:
+            _wait_both(server, local, self.timeout_s)
+        except ServerRequestError as error:
+            raise TransportError(
+                f"the server did not join the NCCL group ({error}); it needs a GPU, VLLM_SERVER_DEV_MODE=1 and "
+                """--weight-transfer-config '{"backend":"nccl"}' (or set backend="disk")"""
+            ) from error
+        self.connected = True
+
+    def send(self, stream: ParamStream, version: int) -> None:
+        metas = stream.metadata()
+        plans = plan_chunks(metas, self.buffer_size_bytes)
+        self.chunks_sent, self.num_chunks, self._update = 0, len(plans), None
+        if not self.connected:
+            self._reconnect()
+        self.control.start_weight_update()
+        self._started = True
+        self._update = BackgroundCall(
+            self.control.update_weights, update_info(metas), name="agrpo-sync-update"
+        )
+        self._update.start()
+        try:
+            self._broadcast(stream, metas, plans, self._update)
+            self.transport.synchronize(self._update.failed, self.timeout_s)
+        except RuntimeError:
+            if self._update.join(1.0) and self._update.failed():
+                self._update.wait(0)  # the server's own error says more than the transport's
+            raise
+        self._update.wait(self.timeout_s)
+        self.control.finish_weight_update(str(version))
+        self._started = False
+
+    def _broadcast(
+        self, stream: ParamStream, metas: list[TensorMeta], plans: list[ChunkPlan], update: BackgroundCall
+    ) -> None:
+        in_flight: list[object] = [None] * self.num_buffers
+        for index, tensors in enumerate(chunk_tensors(stream, metas, plans)):
+            slot = index % self.num_buffers
+            self.transport.wait_slot(slot, update.failed, self.timeout_s)
+            in_flight[slot] = None  # the chunk that used this slot has landed; free it
+            if update.failed():
+                update.wait(0)
+            with self.transport.slot(slot):
+                chunk = pack_chunk(tensors)
+                self.chunks_sent += 1  # counted once attempted: a failed broadcast leaves the group suspect
+                self.transport.broadcast(chunk)
+            in_flight[slot] = (chunk, tensors)
+
+    def _reconnect(self) -> None:
+        """After a failed transfer: drop the server's half of the old group, then join a fresh one."""
+        self.control.shutdown_weight_transfer()
+        self.connect()
+
+    def recover(self) -> str:
+        update_done = self._update is None or self._update.done()
+        if self.chunks_sent == 0 and update_done:  # neither side entered a collective: the group is intact
+            if self._started:
+                self.control.finish_weight_update(None)
+                self._started = False
+            return "the server serves the last good version (no weight had been sent)"
+        self.transport.abort()
+        self.connected = False
+        if not update_done:
+            return (
+                f"{self.chunks_sent} of {self.num_chunks} chunks were sent and the server has not answered; it may "
+                "be blocked inside NCCL: restart the server"
+            )
+        if self._started:
+            self.control.finish_weight_update(None)
+            self._started = False
+        return (
+            f"{self.chunks_sent} of {self.num_chunks} chunks were sent before the failure: the server's layers may "
+            "mix the last good and the new version until the next sync, which re-joins NCCL and re-sends every weight"
+        )
+
+    def served_model(self, version: int) -> str | None:
+        return None
+
+    def close(self) -> None:
+        if self.connected:
+            self.transport.close()
+            self.control.shutdown_weight_transfer()
+            self.connected = False

@@ -1,0 +1,9 @@
+"""Freezes agrpo-trainer's public surface (style.md habit 14): growing it is a reviewed decision."""
+
+import agrpo_trainer
+
+EXPECTED = []  # the trainer issue adds AsyncGRPOConfig and AsyncGRPOTrainer here
+
+
+def test_exported_api_is_frozen():
+    assert agrpo_trainer.__all__ == EXPECTED

@@ -1,0 +1,1 @@
+"""Weight-sync benchmark and its protocol-level stand-ins (a gloo transport, a stub vLLM worker)."""
