@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from agrpo_packing import PackedRow, TreeRow
 from agrpo_packing.testing import GroupShape, random_grpo_groups
-
 from tools.tiny_models import TinyModelSpec, build_model, build_tokenizer
 
 

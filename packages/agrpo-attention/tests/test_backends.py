@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agrpo_attention import BackendUnavailableError, UnsupportedModelError, available_backends, build_tree_plan
+from agrpo_attention import (
+    BackendUnavailableError,
+    UnsupportedModelError,
+    available_backends,
+    build_tree_plan,
+)
 from agrpo_attention._backends import BACKENDS, resolve_backend
 
 

@@ -15,12 +15,12 @@ import copy
 
 import pytest
 import torch
-from agrpo_packing import PackSample, TreeRow
-from agrpo_packing.testing import assert_packed_logprobs_match, assert_row_layout, grpo_groups
 from hypothesis import HealthCheck, given, settings
 
-from agrpo_attention import enable_tree_attention, gathered_logprobs, token_logprobs
 from agrpo_attention import _token_logprobs as token_logprobs_module
+from agrpo_attention import enable_tree_attention, gathered_logprobs, token_logprobs
+from agrpo_packing import PackSample, TreeRow
+from agrpo_packing.testing import assert_packed_logprobs_match, assert_row_layout, grpo_groups
 
 GATE_PARAMETERS = ("A_log", "dt_bias", "in_proj_a")
 
@@ -41,8 +41,15 @@ def tree_sequence_logprobs(model):
         mask[0] = False
         num = input_ids.shape[0] - 1
         row = TreeRow(0)
-        row.add(PackSample(input_ids=input_ids.numpy(), trained_mask=mask.numpy(), group_id=0,
-                           advantages=torch.zeros(num).numpy(), sampler_logprobs=torch.zeros(num).numpy()))
+        row.add(
+            PackSample(
+                input_ids=input_ids.numpy(),
+                trained_mask=mask.numpy(),
+                group_id=0,
+                advantages=torch.zeros(num).numpy(),
+                sampler_logprobs=torch.zeros(num).numpy(),
+            )
+        )
         packed = row.pack()
         order = packed.position_ids[packed.token_index].argsort()
         return token_logprobs(model, packed)[order]
@@ -60,15 +67,33 @@ def packed_and_alone_gradients(tree_model, alone_model, row, alone, atol):
     weights = torch.randn(row.num_loss_terms, generator=torch.Generator().manual_seed(row.num_tokens))
     (packed.double() * weights).sum().backward()
     (reference.double() * weights).sum().backward()
-    return {
-        name: (p.grad.double(), q.grad.double())
-        for (name, p), (_, q) in zip(tree_model.named_parameters(), alone_model.named_parameters(), strict=True)
-        if q.grad is not None and q.grad.norm() > 0
-    }
+    pairs = zip(tree_model.named_parameters(), alone_model.named_parameters(), strict=True)
+    return {name: (_grad(p), _grad(q)) for (name, p), (_, q) in pairs}
+
+
+def _grad(parameter: torch.nn.Parameter) -> torch.Tensor:
+    return (
+        torch.zeros_like(parameter, dtype=torch.float64)
+        if parameter.grad is None
+        else parameter.grad.double()
+    )
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
+
+
+def assert_gradients_close(grads, rtol: float, gate_rtol: float | None = None) -> None:
+    """Per tensor: |packed - alone| <= rtol |alone| + 1e-7 x the largest gradient norm (a gradient that is
+    zero up to rounding, e.g. the query of a one-token context, has no meaningful relative error)."""
+    floor = 1e-7 * max(float(alone.norm()) for _, alone in grads.values()) + 1e-12
+    for name, (packed, alone) in grads.items():
+        is_gate = name.removesuffix(".weight").rsplit(".", 1)[-1] in GATE_PARAMETERS
+        tolerance = gate_rtol if is_gate and gate_rtol is not None else rtol
+        error = float((packed - alone).norm())
+        assert error <= tolerance * float(alone.norm()) + floor, (
+            f"{name}: {error:.3g} vs |alone| {float(alone.norm()):.3g}"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +110,7 @@ def tree_hybrid(tiny_hybrid):
     return model
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(samples=grpo_groups(max_completion_tokens=12, vocab_size=5))
 def test_dense_packed_equals_alone_logprobs_and_gradients(tree_dense, tiny_dense, samples):
     row = TreeRow(0)
@@ -93,19 +118,16 @@ def test_dense_packed_equals_alone_logprobs_and_gradients(tree_dense, tiny_dense
     packed_row = row.pack()
     assert_row_layout(packed_row, samples)
     grads = packed_and_alone_gradients(tree_dense, tiny_dense, packed_row, stock_sequence_logprobs, 1e-5)
-    for name, (packed, alone) in grads.items():
-        assert relative(packed, alone) < 1e-4, name
+    assert_gradients_close(grads, rtol=1e-4)
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(samples=grpo_groups(max_prompt_tokens=40, max_completion_tokens=50, vocab_size=5))
 def test_hybrid_packed_equals_alone_logprobs_and_gradients_fp32(tree_hybrid, tiny_hybrid, samples):
     row = TreeRow(0)
     row.extend(samples)
     grads = packed_and_alone_gradients(tree_hybrid, tiny_hybrid, row.pack(), stock_sequence_logprobs, 1e-5)
-    for name, (packed, alone) in grads.items():
-        tolerance = 1e-2 if name.endswith(tuple(f"{g}.weight" for g in GATE_PARAMETERS) + GATE_PARAMETERS) else 1e-4
-        assert relative(packed, alone) < tolerance, name
+    assert_gradients_close(grads, rtol=1e-4, gate_rtol=1e-2)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -115,8 +137,7 @@ def test_hybrid_tree_is_exact_in_fp64_and_no_less_accurate_than_stock_in_fp32(tr
     enable_tree_attention(tree64, "reference")
     alone64 = copy.deepcopy(tree64)
     grads64 = packed_and_alone_gradients(tree64, alone64, row, tree_sequence_logprobs, 1e-10)
-    for name, (packed, alone) in grads64.items():
-        assert relative(packed, alone) < 1e-6, name  # fp32 casts inside transformers' norms set this floor
+    assert_gradients_close(grads64, rtol=1e-6)  # fp32 casts inside transformers' norms set this floor
     tree32 = copy.deepcopy(tiny_hybrid)
     enable_tree_attention(tree32, "reference")
     grads32 = packed_and_alone_gradients(tree32, tiny_hybrid, row, stock_sequence_logprobs, 1e-5)
@@ -131,7 +152,9 @@ def test_flex_backend_forward_matches_on_cpu(trees, tiny_dense):
     model = copy.deepcopy(tiny_dense)
     enable_tree_attention(model, "flex")
     with torch.no_grad():
-        assert_packed_logprobs_match(row, lambda r: token_logprobs(model, r), stock_sequence_logprobs(tiny_dense))
+        assert_packed_logprobs_match(
+            row, lambda r: token_logprobs(model, r), stock_sequence_logprobs(tiny_dense)
+        )
 
 
 def test_gathered_logprobs_gradcheck_chunked_and_tempered(monkeypatch):

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from agrpo_attention import BackendUnavailableError, UnsupportedModelError
-from agrpo_attention._deltanet_plan import build_deltanet_plan
 from agrpo_attention._delta_rule_torch import chunk_gated_delta_rule
+from agrpo_attention._deltanet_plan import build_deltanet_plan
 from agrpo_attention._tree_deltanet import (
     check_deltanet_module,
     path_conv,
@@ -31,7 +31,10 @@ def test_tree_delta_rule_equals_each_path_alone_with_gradients_fp64(trees, seed)
     n, gen = row.num_tokens, torch.Generator().manual_seed(seed)
     rand = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
     inputs = [rand(1, n, 2, 8), rand(1, n, 2, 8), rand(1, n, 4, 6)]
-    inputs += [-4 * torch.rand(1, n, 4, generator=gen, dtype=torch.float64), torch.rand(1, n, 4, generator=gen).double()]
+    inputs += [
+        -4 * torch.rand(1, n, 4, generator=gen, dtype=torch.float64),
+        torch.rand(1, n, 4, generator=gen).double(),
+    ]
     inputs = [x.requires_grad_() for x in inputs]
     out = tree_delta_rule(*inputs, build_deltanet_plan(row, 4, "cpu"), "torch")
     weights = torch.randn_like(out)
@@ -59,7 +62,9 @@ def test_path_conv_equals_causal_conv_along_each_path(trees):
 def test_tree_forward_of_a_real_layer_equals_its_stock_forward_on_each_path(trees, tiny_hybrid):
     layer = tiny_hybrid.model.layers[0].linear_attn
     row = trees.random_row(2, vocab=3)
-    hidden = torch.randn(1, row.num_tokens, tiny_hybrid.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    hidden = torch.randn(
+        1, row.num_tokens, tiny_hybrid.config.hidden_size, generator=torch.Generator().manual_seed(0)
+    )
     plan = build_deltanet_plan(row, int(layer.conv1d.weight.shape[-1]), "cpu")
     with torch.no_grad():
         out = tree_deltanet_forward(layer, hidden, plan, "torch")

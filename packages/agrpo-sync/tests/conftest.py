@@ -51,6 +51,7 @@ class FaultProxy:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # one small response must not wait for a delayed ACK (40 ms)
 
             def _handle(self, method: str) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
@@ -88,7 +89,13 @@ class LogProbs:
 
     def server(self, model_name: str) -> torch.Tensor | int:
         """The server's prompt log-probs under `model_name` (a base model or adapter); the HTTP status on error."""
-        body = {"model": model_name, "prompt": self.ids, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 0}
+        body = {
+            "model": model_name,
+            "prompt": self.ids,
+            "max_tokens": 1,
+            "prompt_logprobs": 0,
+            "temperature": 0,
+        }
         response = httpx.post(f"{self.url}/v1/completions", json=body, timeout=120)
         if response.status_code != 200:
             return response.status_code
@@ -106,7 +113,9 @@ def _tiny_model() -> torch.nn.Module:
 
 
 @torch.no_grad()
-def _perturb(model: torch.nn.Module, seed: int, *, skip: str = "embed_tokens", only: str = "", scale: float = 0.05) -> None:
+def _perturb(
+    model: torch.nn.Module, seed: int, *, skip: str = "embed_tokens", only: str = "", scale: float = 0.05
+) -> None:
     """Add seeded noise to parameters (the tied embedding is skipped: see the CPU server note in the README)."""
     generator = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():

@@ -18,10 +18,14 @@ TOLERANCE = 1e-4
 
 
 def _config(url: str, tmp_path) -> WeightSyncConfig:
-    return WeightSyncConfig(base_url=url, output_dir=str(tmp_path), backend="disk", gather_bucket_bytes=100_000)
+    return WeightSyncConfig(
+        base_url=url, output_dir=str(tmp_path), backend="disk", gather_bucket_bytes=100_000
+    )
 
 
-def test_after_a_sync_the_server_serves_the_trainers_new_weights(vllm_server, tmp_path, tiny_model, perturb, logprobs):
+def test_after_a_sync_the_server_serves_the_trainers_new_weights(
+    vllm_server, tmp_path, tiny_model, perturb, logprobs
+):
     model = tiny_model()
     before = logprobs.server(vllm_server.model_name)
     assert torch.allclose(before, logprobs.trainer(model), atol=TOLERANCE)
@@ -41,7 +45,9 @@ def test_after_a_sync_the_server_serves_the_trainers_new_weights(vllm_server, tm
     assert timings.pause_s > 0 and timings.transfer_s > 0
 
 
-def test_a_failed_reload_is_undone_and_generation_resumed(vllm_server, fault_proxy, tmp_path, tiny_model, perturb, logprobs):
+def test_a_failed_reload_is_undone_and_generation_resumed(
+    vllm_server, fault_proxy, tmp_path, tiny_model, perturb, logprobs
+):
     model = tiny_model()
     perturb(model, 1)
     sync = WeightSync.start(_config(fault_proxy.url, tmp_path), model)

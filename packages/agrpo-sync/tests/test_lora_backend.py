@@ -10,7 +10,14 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from agrpo_sync import ServerControl, SyncSetupError, TransferFailedError, WeightSync, WeightSyncConfig, adapter_name
+from agrpo_sync import (
+    ServerControl,
+    SyncSetupError,
+    TransferFailedError,
+    WeightSync,
+    WeightSyncConfig,
+    adapter_name,
+)
 from agrpo_sync._lora_backend import adapter_problems, restart_command
 
 pytestmark = [pytest.mark.server, pytest.mark.usefixtures("restore_server")]
@@ -31,7 +38,9 @@ def _registered(url: str) -> list[str]:
     return sorted(m["id"] for m in ServerControl(url).models() if m.get("parent"))
 
 
-def test_adapter_versions_serve_within_the_window_and_leave_it(vllm_server, tmp_path, tiny_model, perturb, logprobs):
+def test_adapter_versions_serve_within_the_window_and_leave_it(
+    vllm_server, tmp_path, tiny_model, perturb, logprobs
+):
     model = _peft_model(tiny_model)
     sync = WeightSync.start(_config(vllm_server.url, tmp_path, lora_sync="adapter", max_staleness=2), model)
     assert sync.backend_name == "lora"
@@ -48,14 +57,18 @@ def test_adapter_versions_serve_within_the_window_and_leave_it(vllm_server, tmp_
     for version in (2, 3):  # still in the window: unchanged answers under their own adapter
         assert torch.allclose(logprobs.server(adapter_name(NAME, version)), served[version], atol=TOLERANCE)
     assert logprobs.server(adapter_name(NAME, 1)) == 404
-    assert sorted(p.name for p in (tmp_path / ".vllm_lora").iterdir()) == [adapter_name(NAME, v) for v in (2, 3, 4)]
+    assert sorted(p.name for p in (tmp_path / ".vllm_lora").iterdir()) == [
+        adapter_name(NAME, v) for v in (2, 3, 4)
+    ]
     with pytest.raises(ValueError, match="left the window"):
         sync.served_model(1)
     sync.close()
     assert _registered(vllm_server.url) == [] and list((tmp_path / ".vllm_lora").iterdir()) == []
 
 
-def test_a_failed_adapter_load_keeps_the_window_serving(vllm_server, fault_proxy, tmp_path, tiny_model, perturb, logprobs):
+def test_a_failed_adapter_load_keeps_the_window_serving(
+    vllm_server, fault_proxy, tmp_path, tiny_model, perturb, logprobs
+):
     model = _peft_model(tiny_model)
     sync = WeightSync.start(_config(fault_proxy.url, tmp_path, max_staleness=1), model)
     perturb(model, 1, skip="", only="lora_", scale=0.1)
@@ -70,10 +83,14 @@ def test_a_failed_adapter_load_keeps_the_window_serving(vllm_server, fault_proxy
     sync.close()
 
 
-def test_merged_sync_is_the_fallback_and_serves_the_merged_weights(vllm_server, tmp_path, tiny_model, perturb, logprobs):
+def test_merged_sync_is_the_fallback_and_serves_the_merged_weights(
+    vllm_server, tmp_path, tiny_model, perturb, logprobs
+):
     model = _peft_model(tiny_model)
     perturb(model, 5, skip="", only="lora_", scale=0.1)
-    config = _config(vllm_server.url, tmp_path, backend="disk", max_staleness=3)  # needs --max-loras 5 for adapters
+    config = _config(
+        vllm_server.url, tmp_path, backend="disk", max_staleness=3
+    )  # needs --max-loras 5 for adapters
     sync = WeightSync.start(config, model)
     assert sync.backend_name == "disk" and sync.served_model(1) is None
     sync.sync(model, 1)
@@ -82,7 +99,10 @@ def test_merged_sync_is_the_fallback_and_serves_the_merged_weights(vllm_server, 
 
 def test_start_up_checks_print_the_exact_flags_to_restart_with(vllm_server, tmp_path, tiny_model):
     with pytest.raises(SyncSetupError) as error:
-        WeightSync.start(_config(vllm_server.url, tmp_path, lora_sync="adapter", max_staleness=4), _peft_model(tiny_model, 16))
+        WeightSync.start(
+            _config(vllm_server.url, tmp_path, lora_sync="adapter", max_staleness=4),
+            _peft_model(tiny_model, 16),
+        )
     message = str(error.value)
     assert "--max-lora-rank is 8, below the adapter's rank 16" in message
     assert "--max-loras is 4, below max_staleness + 2 = 6" in message
@@ -91,4 +111,6 @@ def test_start_up_checks_print_the_exact_flags_to_restart_with(vllm_server, tmp_
     assert adapter_problems(info, LoraConfig(r=8), 2) == []
     off = dataclasses.replace(info, lora_enabled=False, runtime_lora_updating=False)
     assert len(adapter_problems(off, LoraConfig(r=8), 2)) == 2
-    assert restart_command(LoraConfig(r=20, rank_pattern={"q_proj": 40}), 1).endswith("--max-lora-rank 64 --max-loras 3")
+    assert restart_command(LoraConfig(r=20, rank_pattern={"q_proj": 40}), 1).endswith(
+        "--max-lora-rank 64 --max-loras 3"
+    )

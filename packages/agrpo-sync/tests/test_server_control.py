@@ -49,5 +49,10 @@ def test_errors_name_the_endpoint_and_the_status(vllm_server):
 
 def test_parse_server_info_without_lora_or_transfer_config():
     info = parse_server_info({"vllm_config": {"model_config": {"dtype": "torch.bfloat16"}}}, "0.33.0", "m")
-    assert (info.dtype, info.lora_enabled, info.max_loras, info.weight_transfer_backend) == ("bfloat16", False, 0, None)
+    assert (info.dtype, info.lora_enabled, info.max_loras, info.weight_transfer_backend) == (
+        "bfloat16",
+        False,
+        0,
+        None,
+    )
     assert info.runtime_lora_updating is False and info.data_parallel_size == 1

@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from agrpo_sync import ParamStream, TensorMeta, TransportError, pack_chunk, plan_chunks, unpack_chunk, update_info
+from agrpo_sync import (
+    ParamStream,
+    TensorMeta,
+    TransportError,
+    pack_chunk,
+    plan_chunks,
+    unpack_chunk,
+    update_info,
+)
 from agrpo_sync._param_stream import plain_entries
 from agrpo_sync._wire_format import chunk_tensors
 from tools.dev_server import ensure_vllm_env
@@ -44,7 +52,11 @@ def test_unpack_inverts_pack_for_mixed_dtypes_and_scalars():
 
 def test_update_info_names_dtypes_and_shapes_as_vllm_reads_them():
     info = update_info([TensorMeta("a.weight", torch.bfloat16, (2, 3)), TensorMeta("b", torch.float32, ())])
-    assert info == {"names": ["a.weight", "b"], "dtype_names": ["bfloat16", "float32"], "shapes": [[2, 3], []]}
+    assert info == {
+        "names": ["a.weight", "b"],
+        "dtype_names": ["bfloat16", "float32"],
+        "shapes": [[2, 3], []],
+    }
 
 
 def test_chunk_tensors_refuses_a_stream_that_disagrees_with_the_announced_metadata():
@@ -72,15 +84,28 @@ def test_packing_matches_vllm_pack_tensors_and_unpack_tensor_byte_for_byte(tmp_p
     stream, tensors = _tiny_model_tensors()
     metas = stream.metadata()
     sizes = [m.nbytes for m in metas]
-    buffer_sizes = [1, sum(sizes[:3]), 50_000, sum(sizes) - 1, 1 << 30]  # per tensor, exact fit, mid, last, one
+    buffer_sizes = [
+        1,
+        sum(sizes[:3]),
+        50_000,
+        sum(sizes) - 1,
+        1 << 30,
+    ]  # per tensor, exact fit, mid, last, one
     cases = []
     for buffer_size in buffer_sizes:
         plans = plan_chunks(metas, buffer_size)
         chunks = [pack_chunk(group) for group in chunk_tensors(iter(tensors), metas, plans)]
         cases.append({"buffer_size": buffer_size, "chunks": chunks, "plans": plans})
-    torch.save({"tensors": tensors, "cases": [{k: c[k] for k in ("buffer_size", "chunks")} for c in cases]}, tmp_path / "in.pt")
+    torch.save(
+        {"tensors": tensors, "cases": [{k: c[k] for k in ("buffer_size", "chunks")} for c in cases]},
+        tmp_path / "in.pt",
+    )
     python = ensure_vllm_env()
-    done = subprocess.run([str(python), str(PROBE), str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], capture_output=True, text=True)
+    done = subprocess.run(
+        [str(python), str(PROBE), str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -88,7 +113,9 @@ def test_packing_matches_vllm_pack_tensors_and_unpack_tensor_byte_for_byte(tmp_p
     for case, result in zip(cases, results, strict=True):
         ours = case["chunks"]
         assert len(result["vllm_chunks"]) == len(ours) == len(case["plans"]), case["buffer_size"]
-        assert all(torch.equal(v, o) for v, o in zip(result["vllm_chunks"], ours, strict=True)), case["buffer_size"]
+        assert all(torch.equal(v, o) for v, o in zip(result["vllm_chunks"], ours, strict=True)), case[
+            "buffer_size"
+        ]
         assert result["consumer_sizes"] == [c.numel() for c in ours]
         assert [n for n, _ in result["loaded"]] == [n for n, _ in tensors]
         for (_, got), (_, want) in zip(result["loaded"], tensors, strict=True):

@@ -52,8 +52,11 @@ class GlooTransport:
         self._group = dist.ProcessGroupGloo(
             dist.PrefixStore(prefix.hex(), store), rank, world_size, self.timeout
         )
-        warm = torch.zeros(1, dtype=torch.float32)
-        self._group.allreduce([warm]).wait()
+        self.barrier()
+
+    def barrier(self) -> None:
+        """The one-element float32 SUM all-reduce (warm-up, and a meeting point for benchmarks)."""
+        self._group.allreduce([torch.zeros(1, dtype=torch.float32)]).wait()
 
     @contextlib.contextmanager
     def slot(self, index: int) -> Iterator[None]:

@@ -54,12 +54,20 @@ class StubWorker:
         self.adapters: dict[str, dict[str, torch.Tensor]] = {}
         self.state = {"paused": False, "started": False, "version": "default", "packed": None}
         self.fail_init = False
+        self.receive = True
+        """False: a protocol-only stub with no NCCL rank (world size 0), for single-GPU overhead runs."""
         self.fail_update_after_chunks: int | None = None
         self.reject_update = False
         self.chunks_received = 0
 
     # -- weight transfer (the worker's half)
+    def _bind_device(self) -> None:
+        """HTTP handler threads start on CUDA device 0; bind them to the receiver's device."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
     def init_engine(self, info: dict) -> None:
+        self._bind_device()
         if self.fail_init:
             raise WorkerError("Cannot access accelerator device when none is available.")
         if unknown := set(info) - INIT_KEYS:
@@ -75,9 +83,12 @@ class StubWorker:
             int(info.get("packed_buffer_size_bytes", 1 << 30)),
         )
         self.num_buffers = int(info.get("packed_num_buffers", 2))
+        if not self.receive:
+            return
         self.transport.connect(uid, int(info["rank_offset"]), int(info["world_size"]))
 
     def update(self, info: dict) -> None:
+        self._bind_device()
         if not self.state["started"]:
             raise WorkerError("start_weight_update must be called before update_weights")
         if self.reject_update:
@@ -89,6 +100,8 @@ class StubWorker:
         if not packed:
             raise WorkerError("the stub only speaks packed transfers")
         metas = [(n, getattr(torch, d), list(s)) for n, d, s in zip(names, dtypes, shapes, strict=True)]
+        if not self.receive:
+            return
         self.chunks_received = 0
         group: list = []
         total = 0
@@ -125,6 +138,20 @@ class StubWorker:
             and self.chunks_received >= self.fail_update_after_chunks
         ):
             raise WorkerError(f"load_weights failed after chunk {self.chunks_received} (injected)")
+
+    def raw_receive(self, body: dict) -> dict:
+        """Benchmark baseline: `repeats` times, meet at a barrier, then receive plain broadcasts of `sizes`."""
+        self._bind_device()
+        if not self.receive:
+            return {"received": 0}
+        buffers = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in body["sizes"]]
+        for _ in range(int(body["repeats"])):
+            self.transport.barrier()
+            for buffer in buffers:
+                self.transport.broadcast(buffer)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        return {"received": len(buffers)}
 
     # -- LoRA (reads the adapter files the way a worker does)
     def load_adapter(self, body: dict) -> str:
@@ -200,6 +227,7 @@ class StubWorker:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # one small response must not wait for a delayed ACK (40 ms)
 
             def _answer(self, method: str) -> None:
                 url = urlparse(self.path)
@@ -233,7 +261,7 @@ ROUTES = {
     ("GET", "/version"): lambda w, q, b: {"version": "0.32.0"},
     ("GET", "/v1/models"): lambda w, q, b: w.models(),
     ("GET", "/server_info"): lambda w, q, b: w.server_info(),
-    ("GET", "/get_world_size"): lambda w, q, b: {"world_size": 1},
+    ("GET", "/get_world_size"): lambda w, q, b: {"world_size": 1 if w.receive else 0},
     ("GET", "/is_paused"): lambda w, q, b: {"is_paused": w.state["paused"]},
     ("GET", "/weight_info"): lambda w, q, b: {"weight_version": w.state["version"]},
     ("POST", "/pause"): StubWorker._pause,
@@ -256,6 +284,8 @@ def checksums(weights: dict[str, torch.Tensor]) -> dict[str, float]:
 
 
 ROUTES[("GET", "/bench/checksums")] = lambda w, q, b: checksums(w.weights)
+ROUTES[("POST", "/bench/raw")] = lambda w, q, b: w.raw_receive(b)
+ROUTES[("POST", "/bench/fault")] = lambda w, q, b: w.__dict__.update(b) or {}
 
 
 def main() -> None:
@@ -265,6 +295,7 @@ def main() -> None:
     parser.add_argument("--device", type=int, default=1, help="CUDA device of the receiver (nccl)")
     parser.add_argument("--max-lora-rank", type=int, default=0)
     parser.add_argument("--max-loras", type=int, default=0)
+    parser.add_argument("--no-receiver", action="store_true", help="protocol only, world size 0 (one GPU)")
     args = parser.parse_args()
     if args.transport == "nccl":
         from agrpo_sync import NcclTransport
@@ -276,7 +307,9 @@ def main() -> None:
 
         transport, device = GlooTransport(), "cpu"
     lora = {"max_lora_rank": args.max_lora_rank, "max_loras": args.max_loras} if args.max_lora_rank else None
-    StubWorker(transport=transport, device=device, lora=lora).serve(args.port)
+    worker = StubWorker(transport=transport, device=device, lora=lora)
+    worker.receive = not args.no_receiver
+    worker.serve(args.port)
     threading.Event().wait()
 
 

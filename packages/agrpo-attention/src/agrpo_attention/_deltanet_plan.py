@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from agrpo_packing import PackedRow
 
 

@@ -45,7 +45,9 @@ def tree_settings(model: torch.nn.Module) -> TreeSettings:
     """The settings `enable_tree_attention` recorded on `model`."""
     settings = getattr(model, _SETTINGS_ATTRIBUTE, None)
     if settings is None:
-        raise ValueError(f"{type(model).__name__} is not tree-enabled: call enable_tree_attention(model) first")
+        raise ValueError(
+            f"{type(model).__name__} is not tree-enabled: call enable_tree_attention(model) first"
+        )
     return settings
 
 
@@ -93,7 +95,9 @@ def _patch_deltanet(module: torch.nn.Module) -> None:
     module.forward = types.MethodType(_tree_or_stock_forward, module)
 
 
-def enable_tree_attention(model: torch.nn.Module, backend: str = "auto", *, deltanet_kernel: str = "auto") -> str:
+def enable_tree_attention(
+    model: torch.nn.Module, backend: str = "auto", *, deltanet_kernel: str = "auto"
+) -> str:
     """Switch `model` (a transformers causal LM, already on its device) to tree attention; returns the backend
     name chosen. `backend`: "auto", "reference", "flex", "varlen", "fa3", "fa4" or "aiter". `deltanet_kernel`
     (hybrids only): "auto" ("fla" on CUDA with fla-core installed, else "torch"), "torch" or "fla"."""

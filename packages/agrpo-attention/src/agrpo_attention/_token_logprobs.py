@@ -12,6 +12,7 @@ Legend: N = packed tokens, M = loss terms, V = vocabulary.
 from __future__ import annotations
 
 import torch
+
 from agrpo_packing import PackedRow
 
 from ._model_patch import tree_settings
@@ -29,7 +30,9 @@ class _GatheredLogSoftmax(torch.autograd.Function):
         rows = max(1, _CHUNK_BYTES // (4 * logits.shape[1]))
         lse = torch.empty(logits.shape[0], dtype=compute, device=logits.device)
         for start in range(0, logits.shape[0], rows):
-            lse[start : start + rows] = torch.logsumexp(logits[start : start + rows].to(compute) / temperature, -1)
+            lse[start : start + rows] = torch.logsumexp(
+                logits[start : start + rows].to(compute) / temperature, -1
+            )
         picked = logits.gather(1, targets[:, None])[:, 0].to(compute) / temperature
         ctx.save_for_backward(logits, targets, lse)
         ctx.temperature, ctx.rows = temperature, rows
@@ -67,8 +70,12 @@ def token_logprobs(
     settings = tree_settings(model)
     if plan is None:
         plan = build_tree_plan(packed_row, model)
-    elif plan.backend is not settings.backend or (plan.deltanet is None) != (settings.conv_kernel_size is None):
-        raise ValueError("plan was not built for this model: build it with build_tree_plan(packed_row, model)")
+    elif plan.backend is not settings.backend or (plan.deltanet is None) != (
+        settings.conv_kernel_size is None
+    ):
+        raise ValueError(
+            "plan was not built for this model: build it with build_tree_plan(packed_row, model)"
+        )
     device = settings.device
     token_index = packed_row.token_index.to(device)
     output = model(

@@ -37,7 +37,9 @@ def tree_attention_forward(
             "or pass tree_plan=build_tree_plan(packed_row, model) to the model's forward"
         )
     if query.shape[0] != 1:
-        raise ValueError(f"tree attention runs one packed row (batch size 1), got batch size {query.shape[0]}")
+        raise ValueError(
+            f"tree attention runs one packed row (batch size 1), got batch size {query.shape[0]}"
+        )
     if dropout:
         raise UnsupportedModelError(
             f"attention dropout {dropout} is not implemented by tree attention; set config.attention_dropout=0"

@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._deltanet_plan import DeltaNetPlan
 from ._delta_rule_fla import fla_unavailable_reason, fla_varlen_gated_delta_rule
 from ._delta_rule_torch import varlen_gated_delta_rule
+from ._deltanet_plan import DeltaNetPlan
 from ._exceptions import BackendUnavailableError, UnsupportedModelError
 
 DELTA_RULE_KERNELS = {"torch": varlen_gated_delta_rule, "fla": fla_varlen_gated_delta_rule}
@@ -40,21 +40,27 @@ def check_deltanet_module(module: torch.nn.Module, name: str) -> None:
             "in_proj_qkvz is not supported yet"
         )
     if module.activation not in _ACTIVATIONS:
-        raise UnsupportedModelError(f"{name}: conv activation {module.activation!r}, expected one of {list(_ACTIVATIONS)}")
+        raise UnsupportedModelError(
+            f"{name}: conv activation {module.activation!r}, expected one of {list(_ACTIVATIONS)}"
+        )
 
 
 def resolve_delta_rule_kernel(name: str, device: torch.device) -> str:
-    """"auto" -> "fla" on CUDA when fla-core is installed, else "torch"; explicit names are checked."""
+    """ "auto" -> "fla" on CUDA when fla-core is installed, else "torch"; explicit names are checked."""
     if name == "auto":
         return "fla" if fla_unavailable_reason(device) is None else "torch"
     if name not in DELTA_RULE_KERNELS:
-        raise BackendUnavailableError(f"deltanet_kernel={name!r}; expected 'auto' or one of {sorted(DELTA_RULE_KERNELS)}")
+        raise BackendUnavailableError(
+            f"deltanet_kernel={name!r}; expected 'auto' or one of {sorted(DELTA_RULE_KERNELS)}"
+        )
     if name == "fla" and (reason := fla_unavailable_reason(device)) is not None:
         raise BackendUnavailableError(f"deltanet_kernel='fla' cannot run here: {reason}")
     return name
 
 
-def path_conv(mixed: torch.Tensor, conv: torch.nn.Conv1d, plan: DeltaNetPlan, activation: str) -> torch.Tensor:
+def path_conv(
+    mixed: torch.Tensor, conv: torch.nn.Conv1d, plan: DeltaNetPlan, activation: str
+) -> torch.Tensor:
     """mixed (N, C) -> depthwise causal conv along each token's path, then the activation, (N, C)."""
     padded = torch.cat([mixed, mixed.new_zeros(1, mixed.shape[1])])
     halo = padded.index_select(0, plan.halo_index)  # (E, C)
@@ -81,7 +87,9 @@ def tree_delta_rule(q, k, v, g, beta, plan: DeltaNetPlan, kernel: str) -> torch.
     return torch.cat(outputs, dim=1).index_select(1, plan.inverse_order)
 
 
-def tree_deltanet_forward(module, hidden_states: torch.Tensor, plan: DeltaNetPlan, kernel: str) -> torch.Tensor:
+def tree_deltanet_forward(
+    module, hidden_states: torch.Tensor, plan: DeltaNetPlan, kernel: str
+) -> torch.Tensor:
     """The tree forward of one Qwen3.5 Gated DeltaNet `module`: hidden (1, N, H) -> (1, N, H)."""
     num_tokens = hidden_states.shape[1]
     mixed = path_conv(module.in_proj_qkv(hidden_states)[0], module.conv1d, plan, module.activation)
@@ -91,7 +99,9 @@ def tree_deltanet_forward(module, hidden_states: torch.Tensor, plan: DeltaNetPla
     value = value.reshape(1, num_tokens, -1, module.head_v_dim)
     beta = module.in_proj_b(hidden_states).sigmoid()
     gate_dtype = torch.promote_types(hidden_states.dtype, torch.float32)
-    g = -module.A_log.to(gate_dtype).exp() * F.softplus(module.in_proj_a(hidden_states).to(gate_dtype) + module.dt_bias)
+    g = -module.A_log.to(gate_dtype).exp() * F.softplus(
+        module.in_proj_a(hidden_states).to(gate_dtype) + module.dt_bias
+    )
     core = tree_delta_rule(query, key, value, g, beta, plan, kernel)
     gate = module.in_proj_z(hidden_states).reshape(-1, module.head_v_dim)
     core = module.norm(core.reshape(-1, module.head_v_dim), gate).reshape(1, num_tokens, -1)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from agrpo_packing import PackedRow
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from agrpo_packing import PackedRow
 
 from ._attention_backend import AttentionBackend

@@ -44,10 +44,11 @@ class ToolOutcome:
 
 def _schema(tool: Callable) -> dict[str, Any]:
     from transformers.utils import get_json_schema
+    from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
 
     try:
         return get_json_schema(tool)
-    except (ValueError, TypeError) as exc:  # transformers' docstring/type-hint parsing errors are ValueErrors
+    except (DocstringParsingException, TypeHintParsingException, ValueError, TypeError) as exc:
         raise ToolSetupError(
             f"tool {getattr(tool, '__name__', tool)!r} cannot be described to the model: {exc}. Give it type "
             "hints and a Google-style docstring with an `Args:` section for every argument"

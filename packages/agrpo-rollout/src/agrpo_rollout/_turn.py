@@ -25,7 +25,8 @@ class TopLogprobs:
     """
 
     ids: np.ndarray
-    """(T, K) int64 token ids, most likely first, -1 where the server returned fewer than K."""
+    """(T, K) int64 token ids, -1 where the server returned fewer than K. A row is a set: its order is
+    the server's (vLLM lists the sampled token first when it is among the top K)."""
     logprobs: np.ndarray
     """(T, K) float32 log-probs of `ids`, -inf where the id is -1."""
 
@@ -37,7 +38,7 @@ class TopLogprobs:
 
     @classmethod
     def from_dicts(cls, rows: Sequence[Mapping[int, float]], k: int | None = None) -> TopLogprobs:
-        """Pack `[{token_id: logprob}, ...]` into arrays, keeping the `k` most likely per row."""
+        """Pack `[{token_id: logprob}, ...]` into arrays, keeping the `k` most likely per row (most likely first)."""
         k = max((len(r) for r in rows), default=0) if k is None else k
         ids = np.full((len(rows), k), -1, dtype=np.int64)
         logprobs = np.full((len(rows), k), -np.inf, dtype=np.float32)

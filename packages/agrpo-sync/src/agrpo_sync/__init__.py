@@ -3,6 +3,7 @@
 See the package README for the map of modules and what to read first.
 """
 
+from importlib.metadata import PackageNotFoundError as _PackageNotFoundError
 from importlib.metadata import version as _version
 
 from ._backend import SyncBackend
@@ -25,7 +26,10 @@ from ._transport import ChunkTransport
 from ._weight_sync import SyncTimings, WeightSync
 from ._wire_format import ChunkPlan, TensorMeta, pack_chunk, plan_chunks, unpack_chunk, update_info
 
-__version__ = _version("agrpo-sync")
+try:
+    __version__ = _version("agrpo-sync")
+except _PackageNotFoundError:  # run from a source tree on PYTHONPATH (e.g. the GPU machine), not installed
+    __version__ = "0+source"
 
 __all__ = [
     "BACKENDS",

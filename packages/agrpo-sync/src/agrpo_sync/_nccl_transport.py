@@ -33,20 +33,20 @@ class _UniqueId(ctypes.Structure):
 
 
 def find_nccl_library(explicit: str = "") -> str:
-    """An explicit path, else the `nvidia-nccl` wheel's library, else one already loaded, else the soname."""
+    """An explicit path; else the libnccl already loaded in this process (CUDA torch loads its own at
+    import, and one NCCL per process is safest); else the `nvidia-nccl` wheel's; else the soname."""
     if explicit:
         return explicit
-    with contextlib.suppress(ImportError):
-        import nvidia.nccl
-
-        for root in nvidia.nccl.__path__:
-            candidate = Path(root) / "lib" / "libnccl.so.2"
-            if candidate.exists():
-                return str(candidate)
     with contextlib.suppress(OSError):
         for line in Path("/proc/self/maps").read_text().splitlines():
             if "libnccl.so" in line:
                 return line.split()[-1]
+    with contextlib.suppress(ImportError):
+        import nvidia
+
+        for root in nvidia.__path__:
+            for candidate in sorted(Path(root).rglob("libnccl.so*")):
+                return str(candidate)
     return "libnccl.so.2"
 
 
@@ -105,6 +105,7 @@ class NcclTransport:
         self._streams: list[torch.cuda.Stream] = []
         self._events: list[torch.cuda.Event | None] = []
         self._slot = 0
+        self._device: torch.device | None = None
 
     @property
     def library(self) -> NcclLibrary:
@@ -114,11 +115,17 @@ class NcclTransport:
 
     @property
     def device(self) -> torch.device:
-        index = self.device_index if self.device_index >= 0 else torch.cuda.current_device()
-        return torch.device("cuda", index)
+        """`device_index`, or the device current on the thread that first asks (`new_unique_id` runs on the
+        caller's thread; `connect` may run on a helper thread, whose current device is always 0)."""
+        if self._device is None:
+            index = self.device_index if self.device_index >= 0 else torch.cuda.current_device()
+            self._device = torch.device("cuda", index)
+        return self._device
 
     def new_unique_id(self) -> bytes:
-        return self.library.unique_id()
+        library = self.library
+        _ = self.device
+        return library.unique_id()
 
     def connect(self, unique_id: bytes, rank: int, world_size: int) -> None:
         if len(unique_id) != UNIQUE_ID_BYTES:
@@ -126,18 +133,22 @@ class NcclTransport:
         device = self.device
         with torch.cuda.device(device):
             self._comm = self.library.init_rank(unique_id, rank, world_size)
-            warm = torch.zeros(1, dtype=torch.float32, device=device)
-            stream = torch.cuda.current_stream(device)
-            ptr = ctypes.c_void_p(warm.data_ptr())
-            self.library.check(
-                self.library.lib.ncclAllReduce(
-                    ptr, ptr, 1, NCCL_FLOAT32, NCCL_SUM, self._comm, ctypes.c_void_p(stream.cuda_stream)
-                ),
-                "ncclAllReduce (warm-up)",
-            )
-            stream.synchronize()
+            self.barrier()  # the warm-up every vLLM worker issues right after ncclCommInitRank
             self._streams = [torch.cuda.Stream(device) for _ in range(self.num_slots)]
             self._events = [None] * self.num_slots
+
+    def barrier(self) -> None:
+        """A one-element float32 SUM all-reduce on the current stream, waited for: the warm-up handshake,
+        and a meeting point for benchmarks."""
+        with torch.cuda.device(self.device):
+            warm = torch.zeros(1, dtype=torch.float32, device=self.device)
+            stream = torch.cuda.current_stream(self.device)
+            ptr = ctypes.c_void_p(warm.data_ptr())
+            result = self.library.lib.ncclAllReduce(
+                ptr, ptr, 1, NCCL_FLOAT32, NCCL_SUM, self._comm, ctypes.c_void_p(stream.cuda_stream)
+            )
+            self.library.check(result, "ncclAllReduce")
+            stream.synchronize()
 
     @contextlib.contextmanager
     def slot(self, index: int) -> Iterator[None]:

@@ -50,6 +50,9 @@ class SyncTimings:
     """Gather, send, and the server loading the weights (its `finish` or reload included)."""
     num_bytes: int
     """Bytes sent (0 on ranks that only joined the gather)."""
+    peak_gather_bytes: int
+    """Largest bucket of full tensors this rank held at once, in bytes (bounded by `gather_bucket_bytes`
+    unless one tensor is larger)."""
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -85,7 +88,9 @@ def choose_backend(config: WeightSyncConfig, model: torch.nn.Module, info: Serve
     return "lora"
 
 
-def check_full_sync(config: WeightSyncConfig, info: ServerInfo, model: torch.nn.Module, stream: ParamStream) -> None:
+def check_full_sync(
+    config: WeightSyncConfig, info: ServerInfo, model: torch.nn.Module, stream: ParamStream
+) -> None:
     """Start-up checks of a full-weight sync: the server's transfer flag; warnings for a dtype mismatch and
     for a tied embedding on a CPU server (vLLM 0.32's CPU backend prepacks the tied `lm_head` at load and
     its in-place reload never re-processes it, so embedding updates reach the input side only)."""
@@ -224,6 +229,7 @@ class WeightSync:
             barrier_s=lined_up_at - paused_at,
             transfer_s=sent_at - lined_up_at,
             num_bytes=stream.nbytes if self.is_sender else 0,
+            peak_gather_bytes=stream.peak_bucket_bytes,
         )
 
     def _pause(self) -> tuple[bool, tuple[str, str] | None]:

@@ -89,7 +89,10 @@ def unpack_chunk(chunk: torch.Tensor, metas: list[TensorMeta]) -> list[tuple[str
     if chunk.numel() != sum(sizes):
         raise TransportError(f"chunk has {chunk.numel()} bytes, metadata announces {sum(sizes)}")
     parts = chunk.split(sizes)
-    return [(m.name, _aligned(part, m.dtype).view(m.dtype).view(m.shape)) for m, part in zip(metas, parts, strict=True)]
+    return [
+        (m.name, _aligned(part, m.dtype).view(m.dtype).view(m.shape))
+        for m, part in zip(metas, parts, strict=True)
+    ]
 
 
 def _aligned(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -53,7 +53,9 @@ def resolve_backend(name: str, device: torch.device | str, *, needs_softcap: boo
                 return backend
         raise BackendUnavailableError(f"no tree-attention backend runs on {device}")
     if name not in BACKENDS:
-        raise BackendUnavailableError(f"backend={name!r} is unknown; expected 'auto' or one of {sorted(BACKENDS)}")
+        raise BackendUnavailableError(
+            f"backend={name!r} is unknown; expected 'auto' or one of {sorted(BACKENDS)}"
+        )
     backend = BACKENDS[name]
     if needs_softcap and not backend.supports_softcap:
         with_softcap = sorted(n for n, b in BACKENDS.items() if b.supports_softcap)

@@ -26,7 +26,10 @@ class FA4Backend(GatheredPathBackend):
             return f"FA4 needs an NVIDIA GPU, the model is on {device}"
         if torch.cuda.get_device_capability(device)[0] < 10:
             return "FA4 targets Blackwell (compute capability >= 10); on Hopper use 'fa3', 'flex' or 'varlen'"
-        if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None:
+        if (
+            importlib.util.find_spec("flash_attn") is None
+            or importlib.util.find_spec("flash_attn.cute") is None
+        ):
             return "FA4 is not installed: pip install flash-attn-4"
         return None
 

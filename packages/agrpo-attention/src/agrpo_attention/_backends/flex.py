@@ -57,7 +57,7 @@ class FlexBackend:
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         try:
-            import torch.nn.attention.flex_attention  # noqa: F401
+            import torch.nn.attention.flex_attention
         except ImportError:
             return f"torch {torch.__version__} has no FlexAttention; install torch>=2.5"
         return None

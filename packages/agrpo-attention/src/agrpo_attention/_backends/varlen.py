@@ -40,9 +40,11 @@ class VarlenBackend(GatheredPathBackend):
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         if device.type != "cuda":
-            return f"varlen_attn runs on CUDA only, the model is on {device}; use backend='reference' or 'flex'"
+            return (
+                f"varlen_attn runs on CUDA only, the model is on {device}; use backend='reference' or 'flex'"
+            )
         try:
-            import torch.nn.attention.varlen  # noqa: F401
+            import torch.nn.attention.varlen
         except ImportError:
             return f"torch {torch.__version__} has no torch.nn.attention.varlen; install torch>=2.10"
         return None

@@ -1,0 +1,151 @@
+"""The client against the real server, through a fault-injecting proxy, and the generate protocol."""
+
+import asyncio
+import json
+import subprocess
+
+import httpx
+import numpy as np
+import pytest
+
+from agrpo_rollout import RequestRejectedError, ServerUnavailableError, VLLMClient, decode_generate
+from tools.dev_server import DEFAULT_ENV_DIR
+
+
+class FaultProxy:
+    """A loopback HTTP/1.1 proxy in front of the real server. Each request to `/v1/completions` consumes
+    one fault: `500` answers 500, `hang` never answers, `drop` closes the connection, `pass` forwards."""
+
+    def __init__(self, upstream: str, faults: list[str]) -> None:
+        self.upstream, self.faults, self.seen = upstream, list(faults), []
+
+    async def __aenter__(self) -> str:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.client = httpx.AsyncClient(base_url=self.upstream, timeout=60)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def __aexit__(self, *exc) -> None:
+        self.server.close()
+        await self.client.aclose()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = (await reader.readuntil(b"\r\n\r\n")).decode()
+        method, path, _ = head.split("\r\n", 1)[0].split(" ")
+        length = next((int(line.split(":")[1]) for line in head.split("\r\n") if line.lower().startswith("content-length")), 0)
+        body = await reader.readexactly(length)
+        fault = self.faults.pop(0) if path.startswith("/v1/completions") and self.faults else "pass"
+        self.seen.append(fault)
+        if fault == "drop":
+            writer.close()
+            return
+        if fault == "hang":
+            await asyncio.sleep(60)
+            return
+        if fault == "500":
+            status, content = 500, b'{"error":"injected"}'
+        else:
+            upstream = await self.client.request(method, path, content=body, headers={"content-type": "application/json"})
+            status, content = upstream.status_code, upstream.content
+        writer.write(b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % (status, len(content)) + content)
+        await writer.drain()
+        writer.close()
+
+
+def test_sample_returns_ids_log_probs_and_top_alternatives(server_config):
+    async def go():
+        async with VLLMClient(server_config(max_completion_length=20)) as client:
+            turn = await client.sample([1, 2, 3, 4])
+            room = client.server.max_model_len
+            full = await client.sample(list(range(1, 10)) * (room // 9 + 1))
+            return turn, full, client.completion_body([1], 5)
+
+    turn, full, body = asyncio.run(go())
+    assert turn.num_output_tokens == 20 or turn.stopped
+    assert turn.prompt_ids.tolist() == [1, 2, 3, 4] and np.all(turn.output_log_probs <= 0)
+    assert turn.output_sampler_logprobs.ids.shape == (turn.num_output_tokens, 8)
+    assert full.num_output_tokens == 0 and full.finish_reason == "length", "no room under max_model_len: no request"
+    assert body["return_tokens_as_token_ids"] and body["return_token_ids"] and body["logprobs"] == 8
+
+
+@pytest.mark.parametrize(("faults", "retries"), [(["500", "500"], 2), (["hang"], 1), (["drop"], 1)])
+def test_transient_faults_are_retried_and_counted(vllm_server, server_config, faults, retries):
+    async def go():
+        proxy = FaultProxy(vllm_server.url, faults)
+        async with proxy as url, VLLMClient(server_config(vllm_server_base_url=url, vllm_server_timeout=1.5)) as client:
+            turn = await client.sample([1, 2, 3])
+            return turn, client.retry_total, proxy.seen
+
+    turn, retry_total, seen = asyncio.run(go())
+    assert turn.num_output_tokens > 0 and retry_total == retries
+    assert seen[-1] == "pass"
+
+
+def test_persistent_faults_give_up_with_the_url_and_4xx_is_not_retried(vllm_server, server_config):
+    async def go():
+        async with FaultProxy(vllm_server.url, ["500"] * 10) as url:
+            client = VLLMClient(server_config(vllm_server_base_url=url, vllm_max_retries=2))
+            async with client:
+                with pytest.raises(ServerUnavailableError, match=r"failed 3 times.*HTTP 500"):
+                    await client.sample([1, 2, 3])
+        async with VLLMClient(server_config()) as client:
+            with pytest.raises(RequestRejectedError) as rejected:
+                await client.request("POST", "/v1/completions", json={"model": vllm_server.model_name, "prompt": [1], "logprobs": 99})
+            return rejected.value.status_code, client.retry_total
+
+    assert asyncio.run(go()) == (400, 0)
+
+
+# Runs in vLLM's own environment: validates our request body with vLLM's GenerateRequest and builds the
+# response with vLLM's own serialisation (`ServingTokens._create_tokens_logprobs`) from engine-shaped
+# logprob dicts (sampled token first, then ranks 1..N), as `--enable-scale-out --return-sampling-mask` would.
+_VLLM_SIDE = r"""
+import json, sys
+import numpy as np
+from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest, GenerateTokensChoice, GenerateTokensResponse
+from vllm.entrypoints.scale_out.token_in_token_out.serving import ServingTokens
+from vllm.logprobs import Logprob
+body = json.load(sys.stdin)
+request = GenerateRequest.model_validate(body)
+sp = request.sampling_params
+num = sp.logprobs
+rng = np.random.default_rng(0)
+tokens, tops, masks, expected = [], [], [], []
+for rank in [1, 3, 8, 9, 15]:
+    logits = rng.normal(size=64)
+    logp = logits - np.log(np.exp(logits).sum())
+    order = np.argsort(-logp)
+    sampled = int(order[rank - 1])
+    entry = {sampled: Logprob(float(logp[sampled]), rank, None)}
+    for r in range(1, num + 1):
+        entry.setdefault(int(order[r - 1]), Logprob(float(logp[order[r - 1]]), r, None))
+    tokens.append(sampled); tops.append(entry); masks.append(sorted(int(t) for t in order[:20]))
+    expected.append({"ids": [int(t) for t in order[: num - 1]], "sampled": float(logp[sampled])})
+logprobs = ServingTokens._create_tokens_logprobs(None, tokens, tops, num)
+choice = GenerateTokensChoice(index=0, token_ids=tokens, logprobs=logprobs, sampling_mask=masks, finish_reason="length")
+print(json.dumps({
+    "sampling_params": {"max_tokens": sp.max_tokens, "logprobs": sp.logprobs, "top_k": sp.top_k, "top_p": sp.top_p,
+                        "detokenize": sp.detokenize, "temperature": sp.temperature},
+    "response": GenerateTokensResponse(model=request.model, choices=[choice]).model_dump(mode="json"),
+    "expected": expected,
+}))
+"""
+
+
+def test_generate_protocol_with_sampling_masks_against_vllms_own_models(server_config):
+    """`--enable-scale-out --return-sampling-mask` cannot run on the CPU build, so the token-in/token-out
+    path is checked at the protocol level, with vLLM's own pydantic models and serialiser."""
+    client = VLLMClient(server_config(top_k=20, top_p=0.9, num_sampler_logprobs=4, model_name="m"))
+    body = client.generate_body([1, 2, 3], 7)
+    done = subprocess.run(
+        [str(DEFAULT_ENV_DIR / "bin" / "python"), "-c", _VLLM_SIDE],
+        input=json.dumps(body), capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["sampling_params"] == {"max_tokens": 7, "logprobs": 5, "top_k": 20, "top_p": 0.9, "detokenize": False, "temperature": 1.0}
+    turn = decode_generate(json.dumps(out["response"]).encode(), [1, 2, 3], 4)
+    assert turn.output_ids.tolist() == [c["token_id"] for c in out["response"]["choices"][0]["logprobs"]["content"]]
+    for i, expected in enumerate(out["expected"]):
+        assert sorted(turn.output_sampler_logprobs.ids[i].tolist()) == sorted(expected["ids"]), "the top K, as a set"
+        assert turn.output_log_probs[i] == pytest.approx(expected["sampled"], abs=1e-6)
+        assert turn.output_sampling_mask[i].tolist() == out["response"]["choices"][0]["sampling_mask"][i]

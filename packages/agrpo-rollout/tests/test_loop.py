@@ -1,0 +1,238 @@
+"""`AsyncRolloutLoop` end to end against the real CPU vLLM server.
+
+A random tiny model never emits a well-formed tool call, so the tool tests use `ScriptedToolLoop`:
+each turn really samples a few tokens from the server, then appends the tokens a tool-using model
+would have produced (a tool call, optionally a `<think>` block). The appended tokens are context
+only (`output_mask` 0): nothing is trained on them and no log-prob is invented for them.
+"""
+
+import asyncio
+
+import numpy as np
+import pytest
+from agrpo_packing import PackSample
+
+from agrpo_rollout import AsyncRolloutLoop, TopLogprobs, TurnRecord
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first addend.
+        b: The second addend.
+    """
+    return a + b
+
+
+def length_reward(completions, **_):
+    return [float(len(str(c))) for c in completions]
+
+
+def constant_reward(completions, **_):
+    return [1.0] * len(completions)
+
+
+class ScriptedToolLoop(AsyncRolloutLoop):
+    """Real sampled tokens, then a scripted tool call on the first turn (context only)."""
+
+    script = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+
+    async def generate_one_turn(self, prompt_ids, max_tokens=None):
+        real = await super().generate_one_turn(prompt_ids, max_tokens=min(3, max_tokens or 3))
+        if self.tokenizer.convert_tokens_to_ids("<tool_response>") in prompt_ids:
+            return real
+        scripted = np.asarray(self.tokenizer.encode(self.script, add_special_tokens=False) + [self.tokenizer.eos_token_id])
+        n_real, n_script = real.num_output_tokens, scripted.shape[0]
+        top = real.output_sampler_logprobs
+        return TurnRecord(
+            prompt_ids=prompt_ids,
+            output_ids=np.concatenate([real.output_ids, scripted]),
+            output_log_probs=np.concatenate([real.output_log_probs, np.zeros(n_script, np.float32)]),
+            output_mask=np.concatenate([np.ones(n_real, bool), np.zeros(n_script, bool)]),
+            output_sampler_logprobs=TopLogprobs(
+                ids=np.concatenate([top.ids, np.full((n_script, top.ids.shape[1]), -1)]),
+                logprobs=np.concatenate([top.logprobs, np.full((n_script, top.ids.shape[1]), -np.inf)]),
+            ),
+            finish_reason="stop",
+        )
+
+
+class ThinkingToolLoop(ScriptedToolLoop):
+    """As above, with a `<think>` block first, which the history-rewriting template strips later."""
+
+    script = "<think>add them</think>" + ScriptedToolLoop.script
+
+
+def _run(loop, **kwargs):
+    samples, groups, metrics = [], [], []
+
+    async def go():
+        await loop.run(samples.append, on_group=groups.append, metrics_sink=metrics.append, **kwargs)
+
+    asyncio.run(go())
+    return samples, groups, metrics
+
+
+def _chat(text):
+    return [{"role": "user", "content": text}]
+
+
+def test_single_turn_groups_become_pack_samples(server_config, tool_tokenizer):
+    dataset = [{"prompt": _chat(f"What is {i} + {i}?"), "answer": str(2 * i)} for i in range(3)] + [{"prompt": "Once upon"}]
+    config = server_config(num_generations=3, max_completion_length=10)
+    loop = AsyncRolloutLoop(config, tokenizer=tool_tokenizer, dataset=dataset, reward_funcs=length_reward, max_epochs=1)
+    samples, groups, metrics = _run(loop, policy_version=lambda: 7)
+    assert [g.row_index for g in groups] == [0, 1, 2, 3] and all(g.kept for g in groups if g.reason != "zero_std")
+    assert isinstance(groups[3].group.completions[0], str), "text prompts complete without the chat template"
+    for sample in samples:
+        packed = PackSample(**sample.pack_fields())
+        assert packed.num_trained == sample.num_generated_tokens <= 10
+        assert sample.policy_version == 7 and sample.sampler_top_ids.shape == (packed.num_trained, 8)
+        assert sample.rewards_by_func.keys() == {"length_reward"}
+    for outcome in (g for g in groups if g.kept):
+        advantages = [s.advantage for s in samples if s.group_id == outcome.group_id]
+        assert len(advantages) == 3 and abs(sum(advantages)) < 1e-4
+    final = metrics[-1]
+    assert final["completions/max_length"] <= 10 and final["rollout/turns_mean"] == 1.0
+    assert final["rollout/concurrency_cap"] == 8.0 and final["rollout/samples_per_rollout"] == 1.0
+
+
+def test_filtered_and_zero_std_groups_are_reported_not_emitted(server_config, tool_tokenizer):
+    class EvenRows(AsyncRolloutLoop):
+        def filter_prompt(self, row_index, row, epoch):
+            return row_index % 2 == 0
+
+    dataset = [{"prompt": _chat(f"q{i}")} for i in range(4)]
+    loop = EvenRows(server_config(), tokenizer=tool_tokenizer, dataset=dataset, reward_funcs=constant_reward, max_epochs=1)
+    samples, groups, metrics = _run(loop)
+    assert samples == []
+    assert sorted((g.row_index, g.reason) for g in groups) == [(0, "zero_std"), (1, "filtered"), (2, "zero_std"), (3, "filtered")]
+    assert metrics[-1]["frac_reward_zero_std"] == 1.0 and metrics[-1]["reward"] == 1.0
+
+
+def test_multi_turn_tool_conversation(server_config, tool_tokenizer):
+    dataset = [{"prompt": _chat("Add 2 and 3 with the tool.")}]
+    loop = ScriptedToolLoop(
+        server_config(max_completion_length=60), tokenizer=tool_tokenizer, dataset=dataset,
+        reward_funcs=length_reward, tools=[add], max_epochs=1,
+    )  # fmt: skip
+    samples, groups, metrics = _run(loop)
+    group = groups[0].group
+    for rollout, sequences in zip(group.rollouts, group.completions_sequences, strict=True):
+        assert len(rollout.turns) == 2 and rollout.tool_call_count == 1 and rollout.tool_failure_count == 0
+        assert [m["role"] for m in rollout.completion] == ["assistant", "tool", "assistant"]
+        assert rollout.completion[0]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 2, "b": 3}}
+        assert rollout.completion[1] == {"role": "tool", "name": "add", "content": "5"}
+        assert "5" in tool_tokenizer.decode(rollout.turns[1].prompt_ids[-12:]), "the tool result is in the next prompt"
+        sampled = [t.output_ids[t.trained_mask] for t in rollout.turns]
+        trained = [s.input_ids[s.trained_mask] for s in sequences]
+        assert np.array_equal(np.concatenate(trained), np.concatenate(sampled)), "every sampled token trained once"
+        logprobs = np.concatenate([t.output_log_probs[t.trained_mask] for t in rollout.turns])
+        assert np.array_equal(np.concatenate([s.sampler_logprobs for s in sequences]), logprobs)
+    final = metrics[-1]
+    assert final["tools/add/call_total"] == 2.0 and final["tools/call_frequency"] == 1.0
+    assert final["tools/failure_frequency"] == 0.0 and final["rollout/turns_max"] == 2.0
+    assert samples == [] or all(PackSample(**s.pack_fields()) for s in samples)
+
+
+def test_history_rewriting_template_forks(server_config, rewrite_tokenizer):
+    dataset = [{"prompt": _chat("Add 2 and 3 with the tool.")}]
+    loop = ThinkingToolLoop(
+        server_config(max_completion_length=80), tokenizer=rewrite_tokenizer, dataset=dataset,
+        reward_funcs=length_reward, tools=[add], max_epochs=1,
+    )  # fmt: skip
+    _, groups, metrics = _run(loop)
+    group = groups[0].group
+    for rollout, sequences in zip(group.rollouts, group.completions_sequences, strict=True):
+        first, second = rollout.turns
+        held = np.concatenate([first.prompt_ids, first.output_ids])
+        assert not np.array_equal(second.prompt_ids[: held.shape[0]], held), "the template rewrote the history"
+        assert len(sequences) == 2, "the rewritten turn starts a new sequence"
+        assert np.array_equal(sequences[1].input_ids[: second.prompt_ids.shape[0]], second.prompt_ids)
+        n = min(sequences[0].input_ids.shape[0], second.prompt_ids.shape[0])
+        shared = np.flatnonzero(sequences[0].input_ids[:n] != second.prompt_ids[:n])[0]
+        assert shared >= first.prompt_ids.shape[0], "the fork shares the whole first prompt"
+    final = metrics[-1]
+    assert final["rollout/fork_frac"] == 1.0 and final["rollout/drift_tokens_max"] > 0
+    assert final["rollout/samples_per_rollout"] == 2.0
+
+
+class Counter:
+    def reset(self, start=0, **_):
+        self.value = start
+        return f"The counter starts at {start}."
+
+    def increment(self, step: int) -> int:
+        """Add to the counter.
+
+        Args:
+            step: How much to add.
+        """
+        self.value += step
+        return self.value
+
+    def get_reward(self):
+        return float(self.value)
+
+
+class Echo:
+    def reset(self, **_):
+        return None
+
+    def echo(self, text: str) -> str:
+        """Repeat a text.
+
+        Args:
+            text: The text.
+        """
+        return text
+
+
+class IncrementLoop(ScriptedToolLoop):
+    script = '<tool_call>\n{"name": "increment", "arguments": {"step": 3}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("dict_factory", [False, True])
+def test_environment_tools_reset_and_reward(server_config, tool_tokenizer, dict_factory):
+    dataset = [{"prompt": _chat("Count."), "start": 4, "environment": "counter"}]
+    factory = {"counter": Counter, "echo": Echo} if dict_factory else Counter
+    loop = IncrementLoop(
+        server_config(num_generations=2, max_completion_length=60), tokenizer=tool_tokenizer, dataset=dataset,
+        reward_funcs=length_reward, environment_factory=factory, max_epochs=1,
+    )  # fmt: skip
+    _, groups, metrics = _run(loop)
+    group = groups[0].group
+    assert group.prompts[0][-1]["content"] == "Count.\n\nThe counter starts at 4."
+    assert group.rewards_by_func["Counter"].tolist() == [7.0, 7.0], "4 + the scripted increment of 3"
+    assert np.allclose(group.rewards, group.rewards_by_func["Counter"] + group.rewards_by_func["length_reward"])
+    prompt_text = tool_tokenizer.decode(group.rollouts[0].turns[0].prompt_ids)
+    assert '"name": "increment"' in prompt_text and '"name": "echo"' not in prompt_text
+    assert metrics[-1]["env/reset_s"] >= 0 and "env/reward_s" in metrics[-1]
+
+
+def test_cancelling_run_stops_cleanly_and_a_blocking_sink_throttles(server_config, tool_tokenizer):
+    closed = []
+
+    class Tracked(AsyncRolloutLoop):
+        async def close(self):
+            closed.append(True)
+
+    def slow_sink(sample):
+        import time
+
+        time.sleep(0.05)
+
+    async def go():
+        loop = Tracked(server_config(num_generations=2), tokenizer=tool_tokenizer, dataset=None, reward_funcs=length_reward)
+        metrics = []
+        task = asyncio.ensure_future(loop.run(slow_sink, metrics_sink=metrics.append))
+        await asyncio.sleep(3.0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return metrics
+
+    metrics = asyncio.run(go())
+    assert closed == [True]
+    assert any(m["rollout/backpressure_s"] > 0 for m in metrics)

@@ -1,0 +1,36 @@
+import asyncio
+import logging
+
+import pytest
+
+from agrpo_rollout import RolloutConfig, ServerConfigError, VLLMClient
+
+
+def _probe(config):
+    async def go():
+        async with VLLMClient(config) as client:
+            return await client.probe()
+
+    return asyncio.run(go())
+
+
+def test_probe_reads_the_servers_limits_and_flags(vllm_server, server_config):
+    info = _probe(server_config())
+    assert info.model_name == vllm_server.model_name and info.max_model_len == vllm_server.max_model_len
+    assert info.kv_cache_tokens > 0 and info.dtype == "torch.float32"
+    assert info.max_logprobs == 20 and info.lora_max_loras == 4 and info.lora_max_rank == 8
+    assert not info.scale_out and not info.return_sampling_mask and not info.uses_generate_endpoint
+    assert info.initial_concurrency(8) == 8
+    assert info.initial_concurrency(10**9) == info.kv_cache_tokens // info.max_model_len
+
+
+def test_missing_flags_are_named(server_config, caplog):
+    with pytest.raises(ServerConfigError, match="--max-logprobs 25"):
+        _probe(server_config(num_sampler_logprobs=25))
+    with pytest.raises(ServerConfigError, match="not served"):
+        _probe(server_config(model_name="no-such-adapter"))
+    with caplog.at_level(logging.WARNING, logger="agrpo_rollout"):
+        info = _probe(server_config(top_k=50, top_p=0.9))
+    text = caplog.text
+    assert "--enable-scale-out --return-sampling-mask" in text and "--logprobs-mode processed_logprobs" in text
+    assert info.check(RolloutConfig(num_sampler_logprobs=0, max_completion_length=16)) == []
