@@ -40,7 +40,9 @@ def _ids(tokenizer, text):
 def test_tool_calls_parse_in_order(tool_tokenizer, template_tokenizer, kind):
     tokenizer = template_tokenizer if kind == "template" else tool_tokenizer
     assert parser_kind(tokenizer) == kind
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, return_dict=False)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, return_dict=False
+    )
     message = parse_assistant_turn(tokenizer, _ids(tokenizer, "Let me add." + CALLS), prompt, kind)
     assert message.parse_error is None
     assert message.content == "Let me add."
@@ -54,11 +56,15 @@ def test_tool_calls_parse_in_order(tool_tokenizer, template_tokenizer, kind):
 @pytest.mark.parametrize("kind", ["tagged", "template"])
 def test_malformed_calls_become_plain_text(tool_tokenizer, template_tokenizer, kind):
     tokenizer = template_tokenizer if kind == "template" else tool_tokenizer
-    message = parse_assistant_turn(tokenizer, _ids(tokenizer, "oops <tool_call> {not json<|im_end|>"), [], kind)
+    message = parse_assistant_turn(
+        tokenizer, _ids(tokenizer, "oops <tool_call> {not json<|im_end|>"), [], kind
+    )
     assert message.parse_error and not message.tool_calls
     assert message.content == "oops <tool_call> {not json"
 
 
 def test_plain_text_strips_the_end_marker(tool_tokenizer):
-    message = parse_assistant_turn(tool_tokenizer, _ids(tool_tokenizer, "The answer is 5.<|im_end|>"), [], "plain")
+    message = parse_assistant_turn(
+        tool_tokenizer, _ids(tool_tokenizer, "The answer is 5.<|im_end|>"), [], "plain"
+    )
     assert message.as_chat_message() == {"role": "assistant", "content": "The answer is 5."}

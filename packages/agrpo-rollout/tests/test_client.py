@@ -31,7 +31,14 @@ class FaultProxy:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = (await reader.readuntil(b"\r\n\r\n")).decode()
         method, path, _ = head.split("\r\n", 1)[0].split(" ")
-        length = next((int(line.split(":")[1]) for line in head.split("\r\n") if line.lower().startswith("content-length")), 0)
+        length = next(
+            (
+                int(line.split(":")[1])
+                for line in head.split("\r\n")
+                if line.lower().startswith("content-length")
+            ),
+            0,
+        )
         body = await reader.readexactly(length)
         fault = self.faults.pop(0) if path.startswith("/v1/completions") and self.faults else "pass"
         self.seen.append(fault)
@@ -44,9 +51,15 @@ class FaultProxy:
         if fault == "500":
             status, content = 500, b'{"error":"injected"}'
         else:
-            upstream = await self.client.request(method, path, content=body, headers={"content-type": "application/json"})
+            upstream = await self.client.request(
+                method, path, content=body, headers={"content-type": "application/json"}
+            )
             status, content = upstream.status_code, upstream.content
-        writer.write(b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % (status, len(content)) + content)
+        writer.write(
+            b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+            % (status, len(content))
+            + content
+        )
         await writer.drain()
         writer.close()
 
@@ -63,7 +76,9 @@ def test_sample_returns_ids_log_probs_and_top_alternatives(server_config):
     assert turn.num_output_tokens == 20 or turn.stopped
     assert turn.prompt_ids.tolist() == [1, 2, 3, 4] and np.all(turn.output_log_probs <= 0)
     assert turn.output_sampler_logprobs.ids.shape == (turn.num_output_tokens, 8)
-    assert full.num_output_tokens == 0 and full.finish_reason == "length", "no room under max_model_len: no request"
+    assert full.num_output_tokens == 0 and full.finish_reason == "length", (
+        "no room under max_model_len: no request"
+    )
     assert body["return_tokens_as_token_ids"] and body["return_token_ids"] and body["logprobs"] == 8
 
 
@@ -71,7 +86,10 @@ def test_sample_returns_ids_log_probs_and_top_alternatives(server_config):
 def test_transient_faults_are_retried_and_counted(vllm_server, server_config, faults, retries):
     async def go():
         proxy = FaultProxy(vllm_server.url, faults)
-        async with proxy as url, VLLMClient(server_config(vllm_server_base_url=url, vllm_server_timeout=1.5)) as client:
+        async with (
+            proxy as url,
+            VLLMClient(server_config(vllm_server_base_url=url, vllm_server_timeout=1.5)) as client,
+        ):
             turn = await client.sample([1, 2, 3])
             return turn, client.retry_total, proxy.seen
 
@@ -89,7 +107,11 @@ def test_persistent_faults_give_up_with_the_url_and_4xx_is_not_retried(vllm_serv
                     await client.sample([1, 2, 3])
         async with VLLMClient(server_config()) as client:
             with pytest.raises(RequestRejectedError) as rejected:
-                await client.request("POST", "/v1/completions", json={"model": vllm_server.model_name, "prompt": [1], "logprobs": 99})
+                await client.request(
+                    "POST",
+                    "/v1/completions",
+                    json={"model": vllm_server.model_name, "prompt": [1], "logprobs": 99},
+                )
             return rejected.value.status_code, client.retry_total
 
     assert asyncio.run(go()) == (400, 0)
@@ -142,10 +164,21 @@ def test_generate_protocol_with_sampling_masks_against_vllms_own_models(server_c
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    assert out["sampling_params"] == {"max_tokens": 7, "logprobs": 5, "top_k": 20, "top_p": 0.9, "detokenize": False, "temperature": 1.0}
+    assert out["sampling_params"] == {
+        "max_tokens": 7,
+        "logprobs": 5,
+        "top_k": 20,
+        "top_p": 0.9,
+        "detokenize": False,
+        "temperature": 1.0,
+    }
     turn = decode_generate(json.dumps(out["response"]).encode(), [1, 2, 3], 4)
-    assert turn.output_ids.tolist() == [c["token_id"] for c in out["response"]["choices"][0]["logprobs"]["content"]]
+    assert turn.output_ids.tolist() == [
+        c["token_id"] for c in out["response"]["choices"][0]["logprobs"]["content"]
+    ]
     for i, expected in enumerate(out["expected"]):
-        assert sorted(turn.output_sampler_logprobs.ids[i].tolist()) == sorted(expected["ids"]), "the top K, as a set"
+        assert sorted(turn.output_sampler_logprobs.ids[i].tolist()) == sorted(expected["ids"]), (
+            "the top K, as a set"
+        )
         assert turn.output_log_probs[i] == pytest.approx(expected["sampled"], abs=1e-6)
         assert turn.output_sampling_mask[i].tolist() == out["response"]["choices"][0]["sampling_mask"][i]

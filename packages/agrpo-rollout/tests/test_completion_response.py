@@ -41,7 +41,9 @@ def test_fast_path_equals_reference_on_live_responses(vllm_server):
         top = turn.output_sampler_logprobs
         assert top.ids.shape == (turn.num_output_tokens, num_top) and (top.ids >= 0).all()
         sampled_in_top = top.ids == turn.output_ids[:, None]
-        assert np.allclose(top.logprobs[sampled_in_top], np.repeat(turn.output_log_probs, sampled_in_top.sum(1)))
+        assert np.allclose(
+            top.logprobs[sampled_in_top], np.repeat(turn.output_log_probs, sampled_in_top.sum(1))
+        )
 
 
 def test_sampled_token_outside_the_top_k_is_dropped_and_inside_is_kept():

@@ -4,7 +4,13 @@ from agrpo_rollout import ConcurrencyController, ServerLoad, VLLMClient
 
 
 def _load(kv=0.1, waiting=0, preemptions=0):
-    return ServerLoad(running_requests=1, waiting_requests=waiting, kv_cache_usage=kv, preemptions_total=preemptions, kv_cache_tokens=4096)
+    return ServerLoad(
+        running_requests=1,
+        waiting_requests=waiting,
+        kv_cache_usage=kv,
+        preemptions_total=preemptions,
+        kv_cache_tokens=4096,
+    )
 
 
 async def _complete(controller, n):

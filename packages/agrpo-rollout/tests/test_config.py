@@ -24,7 +24,9 @@ def test_defaults_follow_the_reference():
     ],
 )
 def test_invalid_combinations_name_the_fix(fields, fix):
-    with pytest.raises(ValueError, match=fix.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(
+        ValueError, match=fix.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")
+    ):
         RolloutConfig(**fields)
 
 

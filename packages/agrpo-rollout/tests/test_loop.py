@@ -10,8 +10,8 @@ import asyncio
 
 import numpy as np
 import pytest
-from agrpo_packing import PackSample
 
+from agrpo_packing import PackSample
 from agrpo_rollout import AsyncRolloutLoop, TopLogprobs, TurnRecord
 
 
@@ -42,7 +42,9 @@ class ScriptedToolLoop(AsyncRolloutLoop):
         real = await super().generate_one_turn(prompt_ids, max_tokens=min(3, max_tokens or 3))
         if self.tokenizer.convert_tokens_to_ids("<tool_response>") in prompt_ids:
             return real
-        scripted = np.asarray(self.tokenizer.encode(self.script, add_special_tokens=False) + [self.tokenizer.eos_token_id])
+        scripted = np.asarray(
+            self.tokenizer.encode(self.script, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        )
         n_real, n_script = real.num_output_tokens, scripted.shape[0]
         top = real.output_sampler_logprobs
         return TurnRecord(
@@ -79,11 +81,17 @@ def _chat(text):
 
 
 def test_single_turn_groups_become_pack_samples(server_config, tool_tokenizer):
-    dataset = [{"prompt": _chat(f"What is {i} + {i}?"), "answer": str(2 * i)} for i in range(3)] + [{"prompt": "Once upon"}]
+    dataset = [{"prompt": _chat(f"What is {i} + {i}?"), "answer": str(2 * i)} for i in range(3)] + [
+        {"prompt": "Once upon"}
+    ]
     config = server_config(num_generations=3, max_completion_length=10)
-    loop = AsyncRolloutLoop(config, tokenizer=tool_tokenizer, dataset=dataset, reward_funcs=length_reward, max_epochs=1)
+    loop = AsyncRolloutLoop(
+        config, tokenizer=tool_tokenizer, dataset=dataset, reward_funcs=length_reward, max_epochs=1
+    )
     samples, groups, metrics = _run(loop, policy_version=lambda: 7)
-    assert [g.row_index for g in groups] == [0, 1, 2, 3] and all(g.kept for g in groups if g.reason != "zero_std")
+    assert [g.row_index for g in groups] == [0, 1, 2, 3] and all(
+        g.kept for g in groups if g.reason != "zero_std"
+    )
     assert isinstance(groups[3].group.completions[0], str), "text prompts complete without the chat template"
     for sample in samples:
         packed = PackSample(**sample.pack_fields())
@@ -104,10 +112,17 @@ def test_filtered_and_zero_std_groups_are_reported_not_emitted(server_config, to
             return row_index % 2 == 0
 
     dataset = [{"prompt": _chat(f"q{i}")} for i in range(4)]
-    loop = EvenRows(server_config(), tokenizer=tool_tokenizer, dataset=dataset, reward_funcs=constant_reward, max_epochs=1)
+    loop = EvenRows(
+        server_config(), tokenizer=tool_tokenizer, dataset=dataset, reward_funcs=constant_reward, max_epochs=1
+    )
     samples, groups, metrics = _run(loop)
     assert samples == []
-    assert sorted((g.row_index, g.reason) for g in groups) == [(0, "zero_std"), (1, "filtered"), (2, "zero_std"), (3, "filtered")]
+    assert sorted((g.row_index, g.reason) for g in groups) == [
+        (0, "zero_std"),
+        (1, "filtered"),
+        (2, "zero_std"),
+        (3, "filtered"),
+    ]
     assert metrics[-1]["frac_reward_zero_std"] == 1.0 and metrics[-1]["reward"] == 1.0
 
 
@@ -122,12 +137,19 @@ def test_multi_turn_tool_conversation(server_config, tool_tokenizer):
     for rollout, sequences in zip(group.rollouts, group.completions_sequences, strict=True):
         assert len(rollout.turns) == 2 and rollout.tool_call_count == 1 and rollout.tool_failure_count == 0
         assert [m["role"] for m in rollout.completion] == ["assistant", "tool", "assistant"]
-        assert rollout.completion[0]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 2, "b": 3}}
+        assert rollout.completion[0]["tool_calls"][0]["function"] == {
+            "name": "add",
+            "arguments": {"a": 2, "b": 3},
+        }
         assert rollout.completion[1] == {"role": "tool", "name": "add", "content": "5"}
-        assert "5" in tool_tokenizer.decode(rollout.turns[1].prompt_ids[-12:]), "the tool result is in the next prompt"
+        assert "5" in tool_tokenizer.decode(rollout.turns[1].prompt_ids[-12:]), (
+            "the tool result is in the next prompt"
+        )
         sampled = [t.output_ids[t.trained_mask] for t in rollout.turns]
         trained = [s.input_ids[s.trained_mask] for s in sequences]
-        assert np.array_equal(np.concatenate(trained), np.concatenate(sampled)), "every sampled token trained once"
+        assert np.array_equal(np.concatenate(trained), np.concatenate(sampled)), (
+            "every sampled token trained once"
+        )
         logprobs = np.concatenate([t.output_log_probs[t.trained_mask] for t in rollout.turns])
         assert np.array_equal(np.concatenate([s.sampler_logprobs for s in sequences]), logprobs)
     final = metrics[-1]
@@ -147,7 +169,9 @@ def test_history_rewriting_template_forks(server_config, rewrite_tokenizer):
     for rollout, sequences in zip(group.rollouts, group.completions_sequences, strict=True):
         first, second = rollout.turns
         held = np.concatenate([first.prompt_ids, first.output_ids])
-        assert not np.array_equal(second.prompt_ids[: held.shape[0]], held), "the template rewrote the history"
+        assert not np.array_equal(second.prompt_ids[: held.shape[0]], held), (
+            "the template rewrote the history"
+        )
         assert len(sequences) == 2, "the rewritten turn starts a new sequence"
         assert np.array_equal(sequences[1].input_ids[: second.prompt_ids.shape[0]], second.prompt_ids)
         n = min(sequences[0].input_ids.shape[0], second.prompt_ids.shape[0])
@@ -205,7 +229,9 @@ def test_environment_tools_reset_and_reward(server_config, tool_tokenizer, dict_
     group = groups[0].group
     assert group.prompts[0][-1]["content"] == "Count.\n\nThe counter starts at 4."
     assert group.rewards_by_func["Counter"].tolist() == [7.0, 7.0], "4 + the scripted increment of 3"
-    assert np.allclose(group.rewards, group.rewards_by_func["Counter"] + group.rewards_by_func["length_reward"])
+    assert np.allclose(
+        group.rewards, group.rewards_by_func["Counter"] + group.rewards_by_func["length_reward"]
+    )
     prompt_text = tool_tokenizer.decode(group.rollouts[0].turns[0].prompt_ids)
     assert '"name": "increment"' in prompt_text and '"name": "echo"' not in prompt_text
     assert metrics[-1]["env/reset_s"] >= 0 and "env/reward_s" in metrics[-1]
@@ -224,10 +250,19 @@ def test_cancelling_run_stops_cleanly_and_a_blocking_sink_throttles(server_confi
         time.sleep(0.05)
 
     async def go():
-        loop = Tracked(server_config(num_generations=2), tokenizer=tool_tokenizer, dataset=None, reward_funcs=length_reward)
+        dataset = [{"prompt": _chat("Go on.")}]  # no max_epochs: cycles forever
+        loop = Tracked(
+            server_config(num_generations=2),
+            tokenizer=tool_tokenizer,
+            dataset=dataset,
+            reward_funcs=length_reward,
+        )
         metrics = []
         task = asyncio.ensure_future(loop.run(slow_sink, metrics_sink=metrics.append))
-        await asyncio.sleep(3.0)
+        for _ in range(600):
+            if any(m["rollout/backpressure_s"] > 0 for m in metrics):
+                break
+            await asyncio.sleep(0.1)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -14,7 +14,7 @@ def test_epochs_resume_and_filter_verdicts():
 
 
 def test_iterable_datasets_restart_at_zero_and_none_is_endless():
-    draws = list(PromptSource(iter_rows(), start_index=2, max_epochs=1).draws(lambda *_: True))
+    draws = list(PromptSource(IterRows(), start_index=2, max_epochs=1).draws(lambda *_: True))
     assert [d.row_index for d in draws] == [0, 1, 2]
     endless = PromptSource(None).draws(lambda *_: True)
     assert [next(endless).row_index for _ in range(3)] == [0, 1, 2]
@@ -27,6 +27,6 @@ def test_an_epoch_of_rejections_raises():
         list(PromptSource([]).draws(lambda *_: True))
 
 
-class iter_rows:  # noqa: N801 - a re-iterable, like datasets.IterableDataset
+class IterRows:  # a re-iterable, like datasets.IterableDataset
     def __iter__(self):
         return iter(ROWS)

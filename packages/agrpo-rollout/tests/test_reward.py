@@ -40,7 +40,9 @@ def test_nan_only_where_no_source_scored():
 
 def test_wrong_length_and_duplicate_names_are_user_errors():
     with pytest.raises(ValueError, match="returned 1 values for 2"):
-        asyncio.run(RewardScorer([lambda completions, **_: [1.0]]).score(["a", "b"], ["a", "b"], [[], []], {}))
+        asyncio.run(
+            RewardScorer([lambda completions, **_: [1.0]]).score(["a", "b"], ["a", "b"], [[], []], {})
+        )
     with pytest.raises(ValueError, match="distinct"):
         RewardScorer([length_reward, length_reward])
     assert reward_name(functools.partial(functools.partial(length_reward))) == "length_reward"

@@ -1,6 +1,6 @@
 import numpy as np
-from agrpo_packing import PackSample
 
+from agrpo_packing import PackSample
 from agrpo_rollout import RolloutSample, TopLogprobs, TurnRecord, build_sequences
 
 
@@ -51,7 +51,9 @@ def test_context_only_tokens_are_not_trained_and_empty_sequences_drop():
 
 def test_missing_top_logprobs_or_masks_propagate_as_none():
     plain = TurnRecord(prompt_ids=[1], output_ids=[2], output_log_probs=[-0.5])
-    masked = TurnRecord(prompt_ids=[1, 2, 3], output_ids=[4], output_log_probs=[-0.5], output_sampling_mask=[[4, 5]])
+    masked = TurnRecord(
+        prompt_ids=[1, 2, 3], output_ids=[4], output_log_probs=[-0.5], output_sampling_mask=[[4, 5]]
+    )
     (seq,), _ = build_sequences([plain, masked])
     assert seq.sampler_top_ids is None and seq.sampling_mask is None
     (seq,), _ = build_sequences([masked])

@@ -32,5 +32,7 @@ def test_missing_flags_are_named(server_config, caplog):
     with caplog.at_level(logging.WARNING, logger="agrpo_rollout"):
         info = _probe(server_config(top_k=50, top_p=0.9))
     text = caplog.text
-    assert "--enable-scale-out --return-sampling-mask" in text and "--logprobs-mode processed_logprobs" in text
+    assert (
+        "--enable-scale-out --return-sampling-mask" in text and "--logprobs-mode processed_logprobs" in text
+    )
     assert info.check(RolloutConfig(num_sampler_logprobs=0, max_completion_length=16)) == []

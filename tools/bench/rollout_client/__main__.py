@@ -81,9 +81,15 @@ def main() -> None:
     args = parser.parse_args()
     recorded = load_responses()
     sets = {"recorded": recorded, "confident": [confident(r) for r in recorded]}
-    size = sum(len(r) for r in recorded) / sum(len(json.loads(r)["choices"][0]["token_ids"]) for r in recorded)
-    print(f"CPU: {_cpu()}; {len(recorded)} responses, {size:.0f} bytes of JSON per token, best of {args.repeats}")
-    print(f"{'inputs':<10} {'baseline us/tok':>16} {'agrpo us/tok':>13} {'reference us/tok':>17} {'speedup':>8}")
+    size = sum(len(r) for r in recorded) / sum(
+        len(json.loads(r)["choices"][0]["token_ids"]) for r in recorded
+    )
+    print(
+        f"CPU: {_cpu()}; {len(recorded)} responses, {size:.0f} bytes of JSON per token, best of {args.repeats}"
+    )
+    print(
+        f"{'inputs':<10} {'baseline us/tok':>16} {'agrpo us/tok':>13} {'reference us/tok':>17} {'speedup':>8}"
+    )
     for name, responses in sets.items():
         base = us_per_token(baseline, responses, args.repeats)
         fast = us_per_token(agrpo, responses, args.repeats)

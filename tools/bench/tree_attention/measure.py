@@ -62,12 +62,12 @@ def _step(model, row: PackedRow, plan) -> None:
 def time_rows(model, rows: list[PackedRow], *, repeats: int, warmup: int = 1) -> dict:
     """Seconds of one fwd+bwd over all `rows` (median of `repeats`), and of building their plans."""
     device = next(model.parameters()).device
-    rows = [row.to(device) for row in rows]
     _sync(device)
     start = time.perf_counter()
-    plans = [build_tree_plan(row, model) for row in rows]
+    plans = [build_tree_plan(row, model) for row in rows]  # from host rows, as a data loader would
     _sync(device)
     plan_seconds = time.perf_counter() - start
+    rows = [row.to(device) for row in rows]
     samples = []
     for attempt in range(warmup + repeats):
         model.zero_grad(set_to_none=True)

@@ -60,7 +60,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def attention_parity(setup: Setup, shape_name: str) -> None:
     shape, device = SHAPES[shape_name], setup.device
-    row = build_workload(3.4, 16384, shape["vocab"], scale=setup.scale).tree_rows[0]
+    row = build_workload(3.4, int(16384 * setup.scale), shape["vocab"], scale=setup.scale).tree_rows[0]
     print(
         f"attention parity, {shape_name} heads, row of {row.num_tokens} tokens, ratio {row.packing_ratio:.2f}"
     )

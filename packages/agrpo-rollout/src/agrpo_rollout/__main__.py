@@ -23,17 +23,28 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--base-url", default="http://localhost:8000", help="vLLM server base URL")
     ev.add_argument("--model", required=True, help="served model (or LoRA adapter) name")
     ev.add_argument("--tokenizer", help="tokenizer path or hub id; default: --model")
-    ev.add_argument("--dataset", required=True, help="a .jsonl/.json/.parquet file, or a reasoning-gym task name")
-    ev.add_argument("--num-prompts", type=int, help="first N rows of a file; N items of a gym task (default 100)")
+    ev.add_argument(
+        "--dataset", required=True, help="a .jsonl/.json/.parquet file, or a reasoning-gym task name"
+    )
+    ev.add_argument(
+        "--num-prompts", type=int, help="first N rows of a file; N items of a gym task (default 100)"
+    )
     ev.add_argument("--prompt-column", default="prompt", help="column holding the prompt (text or messages)")
     ev.add_argument("--raw-text", action="store_true", help="send text prompts without the chat template")
-    ev.add_argument("--reward", action="append", required=True, help="exact | contains | gym | module:function; repeatable")
+    ev.add_argument(
+        "--reward",
+        action="append",
+        required=True,
+        help="exact | contains | gym | module:function; repeatable",
+    )
     ev.add_argument("--num-generations", type=int, default=8, help="K: rollouts per prompt")
     ev.add_argument("--max-completion-length", type=int, default=1024, help="generated tokens per rollout")
     ev.add_argument("--temperature", type=float, default=1.0)
     ev.add_argument("--top-p", type=float, default=1.0)
     ev.add_argument("--top-k", type=int, default=0)
-    ev.add_argument("--max-concurrent-rollouts", type=int, default=64, help="upper bound of rollouts in flight")
+    ev.add_argument(
+        "--max-concurrent-rollouts", type=int, default=64, help="upper bound of rollouts in flight"
+    )
     ev.add_argument("--num-sampler-logprobs", type=int, default=0, help="top log-probs per token (0: none)")
     ev.add_argument("--pass-threshold", type=float, default=1.0, help="a rollout passes when reward >= this")
     ev.add_argument("--seed", type=int, default=0, help="seed of procedural datasets")
@@ -59,7 +70,11 @@ def main(argv: list[str] | None = None) -> int:
         num_sampler_logprobs=args.num_sampler_logprobs,
     )
     rows = load_eval_dataset(
-        args.dataset, num_prompts=args.num_prompts, prompt_column=args.prompt_column, seed=args.seed, chat=not args.raw_text
+        args.dataset,
+        num_prompts=args.num_prompts,
+        prompt_column=args.prompt_column,
+        seed=args.seed,
+        chat=not args.raw_text,
     )
     report = asyncio.run(
         evaluate(

@@ -50,7 +50,9 @@ class VLLMClient:
             connections = self.config.max_concurrent_rollouts + 8
             self._http = httpx.AsyncClient(
                 base_url=self.base_url,
-                timeout=httpx.Timeout(self.config.vllm_server_timeout, connect=min(10.0, self.config.vllm_server_timeout)),
+                timeout=httpx.Timeout(
+                    self.config.vllm_server_timeout, connect=min(10.0, self.config.vllm_server_timeout)
+                ),
                 limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
                 transport=self._transport,
             )
@@ -110,7 +112,9 @@ class VLLMClient:
         response = await self.request("GET", "/metrics", allow_status=(404,))
         return ServerLoad.from_text(response.text) if response.status_code == 200 else None
 
-    async def sample(self, prompt_ids: list[int] | np.ndarray, *, max_tokens: int | None = None) -> TurnRecord:
+    async def sample(
+        self, prompt_ids: list[int] | np.ndarray, *, max_tokens: int | None = None
+    ) -> TurnRecord:
         """Sample one completion of `prompt_ids` with the config's sampling parameters."""
         server = self.server or await self.probe()
         prompt = [int(t) for t in prompt_ids]

@@ -182,7 +182,9 @@ def decode_generate(raw: bytes, prompt_ids: Sequence[int] | np.ndarray, num_top:
     choice = _first_choice(_GENERATE.decode(raw).choices, raw)
     content = choice.logprobs.content if choice.logprobs is not None else None
     if content is None or len(content) != len(choice.token_ids):
-        raise ResponseFormatError("generate response has no per-token logprobs; send sampling_params.logprobs")
+        raise ResponseFormatError(
+            "generate response has no per-token logprobs; send sampling_params.logprobs"
+        )
     sampled = np.fromiter((c.logprob for c in content), np.float32, len(content))
     top = None
     if num_top > 0:

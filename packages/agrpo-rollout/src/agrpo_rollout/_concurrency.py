@@ -75,7 +75,12 @@ class ConcurrencyController:
         return load is not None and load.waiting_requests == 0 and load.kv_cache_usage < self.RAISE_BELOW_KV
 
     def _maybe_raise(self) -> None:
-        if self.adaptive and self.cap < self.bound and self.completed_since_raise >= self.cap and self._calm():
+        if (
+            self.adaptive
+            and self.cap < self.bound
+            and self.completed_since_raise >= self.cap
+            and self._calm()
+        ):
             self.cap = min(self.bound, max(self.cap + 1, math.ceil(self.cap * self.RAISE_FACTOR)))
             self.completed_since_raise = 0
 
@@ -110,7 +115,11 @@ class ConcurrencyController:
         out = {"rollout/concurrency": float(self.in_flight), "rollout/concurrency_cap": float(self.cap)}
         load = self.last_load
         if load is not None:
-            previous = self._preemptions_at_flush if self._preemptions_at_flush is not None else load.preemptions_total
+            previous = (
+                self._preemptions_at_flush
+                if self._preemptions_at_flush is not None
+                else load.preemptions_total
+            )
             out.update(
                 {
                     "rollout/kv_cache_usage": load.kv_cache_usage,

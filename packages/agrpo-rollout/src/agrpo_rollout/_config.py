@@ -80,7 +80,9 @@ class RolloutConfig:
                 "both must be >= 0"
             )
         if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
-            raise ValueError(f"max_tool_calling_iterations={self.max_tool_calling_iterations}; use None or >= 0")
+            raise ValueError(
+                f"max_tool_calling_iterations={self.max_tool_calling_iterations}; use None or >= 0"
+            )
 
     def _check_sampling(self) -> None:
         if not 0.0 < self.top_p <= 1.0:
@@ -96,7 +98,9 @@ class RolloutConfig:
                 "Set top_k (e.g. top_k=512) or top_p=1.0."
             )
         if self.min_p is not None and (not 0.0 <= self.min_p <= 1.0 or self.top_k == 0):
-            raise ValueError(f"min_p={self.min_p} needs 0 <= min_p <= 1 and top_k > 0; set top_k or min_p=None")
+            raise ValueError(
+                f"min_p={self.min_p} needs 0 <= min_p <= 1 and top_k > 0; set top_k or min_p=None"
+            )
 
     @property
     def truncates_vocabulary(self) -> bool:

@@ -15,7 +15,9 @@ from ._assistant_message import AssistantMessage
 from ._turn import TurnRecord
 
 
-def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tool_schemas: list[dict], template_kwargs: dict) -> list[int]:
+def render_prompt(
+    tokenizer: Any, messages: list[dict[str, Any]], tool_schemas: list[dict], template_kwargs: dict
+) -> list[int]:
     """Token ids of the whole conversation plus the generation prompt."""
     ids = tokenizer.apply_chat_template(
         messages,

@@ -60,7 +60,9 @@ class EnvironmentPool:
     def _build(self, name: str) -> object:
         instance = self.factories[name]()
         if not callable(getattr(instance, "reset", None)):
-            raise ToolSetupError(f"environment {type(instance).__name__} has no reset() method; define reset(**row)")
+            raise ToolSetupError(
+                f"environment {type(instance).__name__} has no reset() method; define reset(**row)"
+            )
         return instance
 
     def toolbox(self, instance: object) -> Toolbox:
@@ -70,7 +72,9 @@ class EnvironmentPool:
             self._schemas[type(instance)] = Toolbox(methods).schemas
         return Toolbox(methods, self._schemas[type(instance)])
 
-    async def acquire(self, row: Mapping[str, Any], executor: Executor | None) -> tuple[str, object, Any, float]:
+    async def acquire(
+        self, row: Mapping[str, Any], executor: Executor | None
+    ) -> tuple[str, object, Any, float]:
         """(name, instance, what reset returned, reset seconds) for one new rollout of `row`."""
         name = self.name_for(row)
         instance = self._free[name].pop() if self._free[name] else self._build(name)

@@ -50,7 +50,10 @@ def exact_match(completions: list[Any], answer: list[Any] | None = None, **_: An
     """1.0 when the extracted answer equals the `answer` column (stripped), else 0.0; None without one."""
     if answer is None:
         return [None] * len(completions)
-    return [float(extract_answer(completion_text(c)) == str(a).strip()) for c, a in zip(completions, answer, strict=True)]
+    return [
+        float(extract_answer(completion_text(c)) == str(a).strip())
+        for c, a in zip(completions, answer, strict=True)
+    ]
 
 
 def contains_answer(completions: list[Any], answer: list[Any] | None = None, **_: Any) -> list[float | None]:
@@ -87,7 +90,9 @@ def resolve_reward(spec: str) -> Callable[..., list[float | None]]:
         return BUILTIN_REWARDS[spec]
     module, _, name = spec.partition(":")
     if not name:
-        raise ValueError(f"--reward {spec!r}: use one of {sorted(BUILTIN_REWARDS)} or `package.module:function`")
+        raise ValueError(
+            f"--reward {spec!r}: use one of {sorted(BUILTIN_REWARDS)} or `package.module:function`"
+        )
     return getattr(importlib.import_module(module), name)
 
 
@@ -96,7 +101,12 @@ def _as_messages(prompt: Any) -> Any:
 
 
 def load_eval_dataset(
-    spec: str, *, num_prompts: int | None = None, prompt_column: str = "prompt", seed: int = 0, chat: bool = True
+    spec: str,
+    *,
+    num_prompts: int | None = None,
+    prompt_column: str = "prompt",
+    seed: int = 0,
+    chat: bool = True,
 ) -> list[dict[str, Any]]:
     """Rows with a `prompt` column from a local file, or `num_prompts` (default 100) reasoning-gym items."""
     path = Path(spec)
@@ -107,7 +117,9 @@ def load_eval_dataset(
 
         table = datasets.load_dataset(_FILE_SUFFIXES[path.suffix], data_files=str(path), split="train")
         if prompt_column not in table.column_names:
-            raise ValueError(f"{spec} has columns {table.column_names}; pass --prompt-column naming the prompt")
+            raise ValueError(
+                f"{spec} has columns {table.column_names}; pass --prompt-column naming the prompt"
+            )
         rows = [dict(r) for r in table.select(range(min(num_prompts or len(table), len(table))))]
         for row in rows:
             prompt = row.pop(prompt_column)
@@ -159,7 +171,9 @@ def _records(outcome: GroupOutcome) -> list[dict[str, Any]]:
             "prompt": group.prompts[i],
             "completion": rollout.completion,
             "reward": None if np.isnan(group.rewards[i]) else float(group.rewards[i]),
-            "rewards": {k: (None if np.isnan(v[i]) else float(v[i])) for k, v in group.rewards_by_func.items()},
+            "rewards": {
+                k: (None if np.isnan(v[i]) else float(v[i])) for k, v in group.rewards_by_func.items()
+            },
             "num_tokens": rollout.num_generated_tokens,
             "num_turns": len(rollout.turns),
             "clipped": rollout.clipped,

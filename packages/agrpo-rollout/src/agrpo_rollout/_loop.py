@@ -37,10 +37,10 @@ from ._conversation import Conversation, render_prompt, with_reset_text
 from ._environment import EnvironmentPool
 from ._group import RolloutGroup, group_advantages, is_trainable
 from ._prompt_source import PromptSource
-from ._reward import RewardScorer, sum_rewards
+from ._reward import RewardScorer, sum_rewards, with_other_sources
 from ._rollout import Rollout
 from ._rollout_metrics import RolloutMetrics
-from ._sample import RolloutSample
+from ._sample import RolloutSample, samples_from_group
 from ._sequence import TrainingSequence, build_sequences
 from ._toolbox import Toolbox
 from ._turn import TurnRecord
@@ -91,7 +91,11 @@ class AsyncRolloutLoop:
         self.config = config
         self.tokenizer = tokenizer
         self.dataset = dataset
-        self.reward_funcs = [] if reward_funcs is None else (reward_funcs if isinstance(reward_funcs, list) else [reward_funcs])
+        self.reward_funcs = (
+            []
+            if reward_funcs is None
+            else (reward_funcs if isinstance(reward_funcs, list) else [reward_funcs])
+        )
         self.tools = list(tools or [])
         self.environment_factory = environment_factory
         self.start_index = start_index
@@ -125,7 +129,9 @@ class AsyncRolloutLoop:
         while True:
             prompt_ids = render_prompt(self.tokenizer, talk.messages, toolbox.schemas, kwargs)
             turn = await self._turn(prompt_ids, talk.budget)
-            message = parse_assistant_turn(self.tokenizer, turn.output_ids, turn.prompt_ids, self._parser_kind)
+            message = parse_assistant_turn(
+                self.tokenizer, turn.output_ids, turn.prompt_ids, self._parser_kind
+            )
             self.metrics.parse_failure_total += message.parse_error is not None
             talk.add_turn(turn, message)
             if not message.tool_calls or not toolbox or talk.budget <= 0 or not turn.stopped:
@@ -162,7 +168,9 @@ class AsyncRolloutLoop:
         prompt_ids = self.tokenizer.encode(prompt)
         turn = await self._turn(prompt_ids, self.config.max_completion_length)
         text = parse_assistant_turn(self.tokenizer, turn.output_ids, prompt_ids, "plain").content
-        return Rollout(completion=text, completion_ids=turn.output_ids.tolist(), turns=[turn], clipped=not turn.stopped)
+        return Rollout(
+            completion=text, completion_ids=turn.output_ids.tolist(), turns=[turn], clipped=not turn.stopped
+        )
 
     # ---- the producer ------------------------------------------------------------------------
 
@@ -170,11 +178,17 @@ class AsyncRolloutLoop:
         """Build what `run` needs: client (probed), controller, thread pool, tools, environments."""
         self.client = await VLLMClient(self.config).open()
         server = await self.client.probe()
-        initial = server.initial_concurrency(self.config.max_concurrent_rollouts) if server.kv_cache_tokens else None
+        initial = (
+            server.initial_concurrency(self.config.max_concurrent_rollouts)
+            if server.kv_cache_tokens
+            else None
+        )
         self.controller = ConcurrencyController(self.config.max_concurrent_rollouts, initial)
         self._executor = ThreadPoolExecutor(self.config.tool_threads or self.config.max_concurrent_rollouts)
         self._toolbox = Toolbox(self.tools)
-        self._environments = None if self.environment_factory is None else EnvironmentPool(self.environment_factory)
+        self._environments = (
+            None if self.environment_factory is None else EnvironmentPool(self.environment_factory)
+        )
         self._scorer = RewardScorer(self.reward_funcs)
         self._parser_kind = parser_kind(self.tokenizer)
         self._turn_takes_max_tokens = "max_tokens" in inspect.signature(self.generate_one_turn).parameters
@@ -206,7 +220,9 @@ class AsyncRolloutLoop:
         self.metrics.record_rollout(rollout, time.monotonic() - start, stats, len(sequences))
         return _Finished(prompt, rollout, sequences, env_reward)
 
-    async def _collect_group(self, tasks: list[asyncio.Task], group: RolloutGroup, queue: asyncio.Queue) -> None:
+    async def _collect_group(
+        self, tasks: list[asyncio.Task], group: RolloutGroup, queue: asyncio.Queue
+    ) -> None:
         finished = await asyncio.gather(*tasks)
         group.prompts = [f.prompt for f in finished]
         group.rollouts = [f.rollout for f in finished]
@@ -226,42 +242,16 @@ class AsyncRolloutLoop:
         columns = await self._scorer.score(
             group.prompts, group.completions, group.completions_ids, group.reward_kwargs, self._executor
         )
-        if any(e is not None for e in group.env_rewards):
-            name = next(e[0].__name__ for e in group.env_rewards if e is not None)
-            columns[name] = np.asarray([np.nan if e is None else e[1] for e in group.env_rewards], dtype=np.float64)
-        if any(r is not None for r in group.rollout_rewards):
-            columns["rollout"] = np.asarray([np.nan if r is None else r for r in group.rollout_rewards], dtype=np.float64)
-        group.rewards_by_func = columns
-        if columns:
-            group.rewards = sum_rewards(list(columns.values()))
+        group.rewards_by_func = with_other_sources(columns, group.env_rewards, group.rollout_rewards)
+        if group.rewards_by_func:
+            group.rewards = sum_rewards(list(group.rewards_by_func.values()))
             return
         if not self._warned_no_reward:
-            logger.warning("no reward source scored this group: pass reward_funcs, an environment with get_reward, or set Rollout.reward")
+            logger.warning(
+                "no reward source: pass reward_funcs, an environment with get_reward, or set Rollout.reward"
+            )
             self._warned_no_reward = True
         group.rewards = np.full(len(group.prompts), np.nan)
-
-    def _samples(self, group: RolloutGroup, advantages: np.ndarray) -> list[RolloutSample]:
-        scored = group.rewards[~np.isnan(group.rewards)]
-        stds = {k: float(np.nanstd(v)) if not np.all(np.isnan(v)) else 0.0 for k, v in group.rewards_by_func.items()}
-        samples = []
-        for i, sequences in enumerate(group.completions_sequences):
-            for sequence in sequences:
-                samples.append(
-                    RolloutSample.from_sequence(
-                        sequence,
-                        advantage=float(advantages[i]),
-                        group_id=group.group_id,
-                        policy_version=group.model_version,
-                        reward=float(group.rewards[i]),
-                        group_reward_std=float(scored.std()) if scored.size else 0.0,
-                        rewards_by_func={k: float(v[i]) for k, v in group.rewards_by_func.items()},
-                        group_rewards_by_func_std=stds,
-                        row_index=group.row_index,
-                        epoch=group.epoch,
-                        num_generated_tokens=len(group.completions_ids[i]),
-                    )
-                )
-        return samples
 
     async def _score_groups(self, queue: asyncio.Queue, sink: Callable, on_group: Callable | None) -> None:
         while (group := await queue.get()) is not None:
@@ -272,18 +262,28 @@ class AsyncRolloutLoop:
             kept, reason = is_trainable(group.rewards)
             self.metrics.score_s.append(time.monotonic() - start)
             self.metrics.record_group(group.rewards, kept, reason)
-            samples = self._samples(group, advantages) if kept else []
+            samples = samples_from_group(group, advantages) if kept else []
             for sample in samples:
                 blocked = time.monotonic()
                 sample.enqueued_at = time.time()
-                result = sink(sample) if inspect.iscoroutinefunction(sink) else await asyncio.to_thread(sink, sample)
+                result = (
+                    sink(sample)
+                    if inspect.iscoroutinefunction(sink)
+                    else await asyncio.to_thread(sink, sample)
+                )
                 if inspect.isawaitable(result):
                     await result
                 self.metrics.backpressure_s += time.monotonic() - blocked
             if on_group is not None:
-                on_group(GroupOutcome(group.row_index, group.epoch, group.group_id, kept, reason, len(samples), group))
+                on_group(
+                    GroupOutcome(
+                        group.row_index, group.epoch, group.group_id, kept, reason, len(samples), group
+                    )
+                )
 
-    async def _dispatch(self, queue: asyncio.Queue, policy_version: Callable[[], int], on_group, max_groups) -> None:
+    async def _dispatch(
+        self, queue: asyncio.Queue, policy_version: Callable[[], int], on_group, max_groups
+    ) -> None:
         source = PromptSource(self.dataset, start_index=self.start_index, max_epochs=self.max_epochs)
         group_id = 0
         for draw in source.draws(self.filter_prompt):
@@ -294,7 +294,9 @@ class AsyncRolloutLoop:
                     on_group(GroupOutcome(draw.row_index, draw.epoch, -1, False, "filtered", 0, None))
                 continue
             columns = {k: [v] * self.config.num_generations for k, v in draw.row.items() if k != "prompt"}
-            group = RolloutGroup([], columns, [], [], [], [], [], 0, group_id, draw.row_index, [], [], epoch=draw.epoch)
+            group = RolloutGroup(
+                [], columns, [], [], [], [], [], 0, group_id, draw.row_index, [], [], epoch=draw.epoch
+            )
             tasks = []
             for _ in range(self.config.num_generations):
                 await self.controller.acquire()
@@ -313,8 +315,13 @@ class AsyncRolloutLoop:
         """A task cancelled with the loop if the loop stops or fails."""
         task = asyncio.ensure_future(coroutine)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._forget)
         return task
+
+    def _forget(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved here; whoever awaits the task still gets it raised
 
     def _metric_snapshot(self, queue: asyncio.Queue) -> dict[str, float]:
         out = self.metrics.flush()

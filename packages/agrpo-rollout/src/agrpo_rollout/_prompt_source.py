@@ -53,7 +53,9 @@ class PromptSource:
                 yield index, self.dataset[index]
             return
         if epoch == 0 and self.start_index:
-            logger.warning("an iterable dataset cannot seek; resuming at row 0 instead of %d", self.start_index)
+            logger.warning(
+                "an iterable dataset cannot seek; resuming at row 0 instead of %d", self.start_index
+            )
         yield from enumerate(self.dataset)
 
     def draws(self, accept: Callable[[int, Mapping[str, Any], int], bool]) -> Iterator[PromptDraw]:
@@ -72,5 +74,7 @@ class PromptSource:
                     "Loosen filter_prompt or stop training"
                 )
             if not seen:
-                raise PromptsExhaustedError("the prompt dataset is empty; pass a dataset with at least one row")
+                raise PromptsExhaustedError(
+                    "the prompt dataset is empty; pass a dataset with at least one row"
+                )
             epoch += 1

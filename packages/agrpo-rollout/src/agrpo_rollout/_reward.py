@@ -29,10 +29,30 @@ def reward_name(func: Callable) -> str:
 def sum_rewards(columns: Sequence[np.ndarray]) -> np.ndarray:
     """(G,) sum over sources ignoring NaN; NaN where every source is NaN."""
     if not columns:
-        raise ValueError("no reward source: pass reward_funcs, an environment with get_reward, or set Rollout.reward")
+        raise ValueError(
+            "no reward source: pass reward_funcs, an environment with get_reward, or set Rollout.reward"
+        )
     stacked = np.stack([np.asarray(c, dtype=np.float64) for c in columns])
     scored = ~np.isnan(stacked)
     return np.where(scored.any(axis=0), np.where(scored, stacked, 0.0).sum(axis=0), np.nan)
+
+
+def with_other_sources(
+    columns: dict[str, np.ndarray],
+    env_rewards: Sequence[tuple[type, float] | None],
+    rollout_rewards: Sequence[float | None],
+) -> dict[str, np.ndarray]:
+    """Reward-function columns plus an environment column (named after its class) and a `rollout`
+    column (`Rollout.reward`), each added only when some rollout has that source."""
+    columns = dict(columns)
+    if any(e is not None for e in env_rewards):
+        name = next(e[0].__name__ for e in env_rewards if e is not None)
+        columns[name] = np.asarray([np.nan if e is None else e[1] for e in env_rewards], dtype=np.float64)
+    if any(r is not None for r in rollout_rewards):
+        columns["rollout"] = np.asarray(
+            [np.nan if r is None else r for r in rollout_rewards], dtype=np.float64
+        )
+    return columns
 
 
 class RewardScorer:
@@ -45,7 +65,7 @@ class RewardScorer:
             raise ValueError(f"reward functions share names {self.names}; give each a distinct __name__")
 
     async def _run_one(self, func: Callable, kwargs: dict[str, Any], executor: Executor | None) -> Any:
-        if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None)):
+        if inspect.iscoroutinefunction(func):
             return await func(**kwargs)
         result = await asyncio.get_running_loop().run_in_executor(executor, functools.partial(func, **kwargs))
         return await result if inspect.isawaitable(result) else result
@@ -59,12 +79,19 @@ class RewardScorer:
         executor: Executor | None = None,
     ) -> dict[str, np.ndarray]:
         """Name -> (G,) float64 rewards, NaN where a function returned None."""
-        kwargs = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **reward_kwargs}
+        kwargs = {
+            "prompts": prompts,
+            "completions": completions,
+            "completion_ids": completion_ids,
+            **reward_kwargs,
+        }
         results = await asyncio.gather(*(self._run_one(f, kwargs, executor) for f in self.funcs))
         out = {}
         for name, values in zip(self.names, results, strict=True):
             values = list(values)
             if len(values) != len(prompts):
-                raise ValueError(f"reward function {name} returned {len(values)} values for {len(prompts)} completions")
+                raise ValueError(
+                    f"reward function {name} returned {len(values)} values for {len(prompts)} completions"
+                )
             out[name] = np.asarray([np.nan if v is None else float(v) for v in values], dtype=np.float64)
         return out

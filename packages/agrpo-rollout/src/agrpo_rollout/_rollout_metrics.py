@@ -60,7 +60,9 @@ class RolloutMetrics:
         self.groups_zero_std = 0
         self.groups_dropped = 0
 
-    def record_rollout(self, rollout: Rollout, duration_s: float, stats: ReconcileStats, num_samples: int) -> None:
+    def record_rollout(
+        self, rollout: Rollout, duration_s: float, stats: ReconcileStats, num_samples: int
+    ) -> None:
         self.durations.append(duration_s)
         self.lengths.append(rollout.num_generated_tokens)
         self.turns.append(len(rollout.turns))

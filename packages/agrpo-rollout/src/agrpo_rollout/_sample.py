@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from ._group import RolloutGroup
 from ._sequence import TrainingSequence
 
 PACK_FIELDS = (
@@ -97,3 +98,27 @@ class RolloutSample:
     @property
     def num_trained(self) -> int:
         return int(self.advantages.shape[0])
+
+
+def samples_from_group(group: RolloutGroup, advantages: np.ndarray) -> list[RolloutSample]:
+    """Every training sequence of a scored group, with its rollout's advantage and the group's stats."""
+    scored = group.rewards[~np.isnan(group.rewards)]
+    group_std = float(scored.std()) if scored.size else 0.0
+    stds = {k: 0.0 if np.all(np.isnan(v)) else float(np.nanstd(v)) for k, v in group.rewards_by_func.items()}
+    return [
+        RolloutSample.from_sequence(
+            sequence,
+            advantage=float(advantages[i]),
+            group_id=group.group_id,
+            policy_version=group.model_version,
+            reward=float(group.rewards[i]),
+            group_reward_std=group_std,
+            rewards_by_func={k: float(v[i]) for k, v in group.rewards_by_func.items()},
+            group_rewards_by_func_std=stds,
+            row_index=group.row_index,
+            epoch=group.epoch,
+            num_generated_tokens=len(group.completions_ids[i]),
+        )
+        for i, sequences in enumerate(group.completions_sequences)
+        for sequence in sequences
+    ]

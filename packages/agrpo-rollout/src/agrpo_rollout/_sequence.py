@@ -120,7 +120,9 @@ def common_prefix_length(a: np.ndarray, b: np.ndarray) -> int:
     return int(differ[0]) if differ.size else n
 
 
-def build_sequences(turns: Sequence[TurnRecord], rollout_id: str = "") -> tuple[list[TrainingSequence], ReconcileStats]:
+def build_sequences(
+    turns: Sequence[TurnRecord], rollout_id: str = ""
+) -> tuple[list[TrainingSequence], ReconcileStats]:
     """Reconcile a rollout's turns into training sequences (see the module docstring)."""
     stats = ReconcileStats()
     builders: list[_Builder] = []

@@ -91,7 +91,10 @@ class ServerInfo:
         if config.truncates_vocabulary and not self.uses_generate_endpoint:
             missing = [
                 flag
-                for flag, on in (("--enable-scale-out", self.scale_out), ("--return-sampling-mask", self.return_sampling_mask))
+                for flag, on in (
+                    ("--enable-scale-out", self.scale_out),
+                    ("--return-sampling-mask", self.return_sampling_mask),
+                )
                 if not on
             ]
             warnings.append(

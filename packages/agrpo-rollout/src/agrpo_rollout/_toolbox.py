@@ -66,7 +66,9 @@ def _as_text(result: Any) -> str:
 class Toolbox:
     """Tools by name; `schemas` is what `apply_chat_template(tools=...)` receives."""
 
-    def __init__(self, tools: Sequence[Callable] = (), schemas: Sequence[dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self, tools: Sequence[Callable] = (), schemas: Sequence[dict[str, Any]] | None = None
+    ) -> None:
         self.by_name: dict[str, Callable] = {}
         for tool in tools:
             name = getattr(tool, "__name__", None)
@@ -96,10 +98,14 @@ class Toolbox:
     async def _call(self, tool: Callable, arguments: dict[str, Any], executor: Executor | None) -> Any:
         if inspect.iscoroutinefunction(tool):
             return await tool(**arguments)
-        result = await asyncio.get_running_loop().run_in_executor(executor, functools.partial(tool, **arguments))
+        result = await asyncio.get_running_loop().run_in_executor(
+            executor, functools.partial(tool, **arguments)
+        )
         return await result if inspect.isawaitable(result) else result
 
-    async def run(self, calls: Sequence[dict[str, Any]], executor: Executor | None = None) -> list[ToolOutcome]:
+    async def run(
+        self, calls: Sequence[dict[str, Any]], executor: Executor | None = None
+    ) -> list[ToolOutcome]:
         """Run one assistant turn's calls in the order given and return one outcome per call."""
         outcomes = []
         for call in calls:
@@ -107,7 +113,9 @@ class Toolbox:
             tool = self.by_name.get(name)
             if tool is None:
                 known = ", ".join(sorted(self.by_name)) or "none"
-                outcomes.append(ToolOutcome(name, f"Error: unknown tool {name!r}; tools: {known}", True, True, 0.0))
+                outcomes.append(
+                    ToolOutcome(name, f"Error: unknown tool {name!r}; tools: {known}", True, True, 0.0)
+                )
                 continue
             start = time.perf_counter()
             try:

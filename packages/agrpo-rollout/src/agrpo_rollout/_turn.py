@@ -53,7 +53,9 @@ class TopLogprobs:
 
     def __getitem__(self, position: int) -> dict[int, float]:
         keep = self.ids[position] >= 0
-        return dict(zip(self.ids[position][keep].tolist(), self.logprobs[position][keep].tolist(), strict=True))
+        return dict(
+            zip(self.ids[position][keep].tolist(), self.logprobs[position][keep].tolist(), strict=True)
+        )
 
     def __iter__(self) -> Iterator[dict[int, float]]:
         return (self[i] for i in range(len(self)))
@@ -96,7 +98,9 @@ class TurnRecord:
         if self.output_sampling_mask is not None:
             self.output_sampling_mask = [np.asarray(m, dtype=np.int64) for m in self.output_sampling_mask]
             _check_len("output_sampling_mask", len(self.output_sampling_mask), num_out)
-        if self.output_sampler_logprobs is not None and not isinstance(self.output_sampler_logprobs, TopLogprobs):
+        if self.output_sampler_logprobs is not None and not isinstance(
+            self.output_sampler_logprobs, TopLogprobs
+        ):
             self.output_sampler_logprobs = TopLogprobs.from_dicts(self.output_sampler_logprobs)
         if self.output_sampler_logprobs is not None:
             _check_len("output_sampler_logprobs", len(self.output_sampler_logprobs), num_out)

@@ -13,6 +13,7 @@ the slow path; `nccl` is the fast one. vLLM's reload does not clear the prefix c
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 from typing import ClassVar
@@ -24,6 +25,8 @@ from ._config import WeightSyncConfig
 from ._param_stream import ParamStream
 from ._server_control import ServerControl, ServerInfo
 from ._transport import ChunkTransport
+
+logger = logging.getLogger("agrpo_sync")
 
 
 class DiskBackend:
@@ -48,6 +51,12 @@ class DiskBackend:
     def setup(self, model: torch.nn.Module, stream: ParamStream, info: ServerInfo) -> None:
         self.weights_dir.mkdir(parents=True, exist_ok=True)
         self.last_good = info.model_root if Path(info.model_root).is_dir() else None
+        if self.last_good is None:
+            logger.warning(
+                "the server's model %r is not a directory this trainer sees: if the first reload fails, the "
+                "server cannot be put back on its original weights",
+                info.model_root,
+            )
 
     def send(self, stream: ParamStream, version: int) -> None:
         self._pending, self._reload_sent = self.weights_dir / f"v{version}", False
