@@ -182,3 +182,18 @@ def test_generate_protocol_with_sampling_masks_against_vllms_own_models(server_c
         )
         assert turn.output_log_probs[i] == pytest.approx(expected["sampled"], abs=1e-6)
         assert turn.output_sampling_mask[i].tolist() == out["response"]["choices"][0]["sampling_mask"][i]
+
+
+def test_wait_until_ready(server_config):
+    from tools.dev_server import free_port
+
+    async def go():
+        async with VLLMClient(server_config()) as client:
+            await client.wait_until_ready(timeout_s=5)
+        async with VLLMClient(
+            server_config(vllm_server_base_url=f"http://127.0.0.1:{free_port()}")
+        ) as client:
+            with pytest.raises(ServerUnavailableError, match="/health did not answer"):
+                await client.wait_until_ready(timeout_s=1.0)
+
+    asyncio.run(go())

@@ -271,3 +271,21 @@ def test_cancelling_run_stops_cleanly_and_a_blocking_sink_throttles(server_confi
     metrics = asyncio.run(go())
     assert closed == [True]
     assert any(m["rollout/backpressure_s"] > 0 for m in metrics)
+
+
+def broken_reward(completions, **_):
+    raise RuntimeError("grader is down")
+
+
+def test_failures_end_the_run_with_the_original_error(server_config, tool_tokenizer):
+    dataset = [{"prompt": _chat("q")}]
+    loop = AsyncRolloutLoop(server_config(), tokenizer=tool_tokenizer, dataset=dataset, reward_funcs=broken_reward)
+    with pytest.raises(RuntimeError, match="grader is down"):
+        asyncio.run(loop.run(lambda sample: None))
+
+    def full_queue(sample):
+        raise OverflowError("queue full")
+
+    loop = AsyncRolloutLoop(server_config(), tokenizer=tool_tokenizer, dataset=dataset, reward_funcs=length_reward)
+    with pytest.raises(OverflowError, match="queue full"):
+        asyncio.run(loop.run(full_queue, metrics_sink=lambda metrics: None))

@@ -14,6 +14,7 @@ Exits non-zero if a check fails. Does not time anything (see `__main__.py`).
 
 from __future__ import annotations
 
+import argparse
 import copy
 import sys
 from dataclasses import dataclass
@@ -151,14 +152,63 @@ def hybrid_fla_parity(setup: Setup) -> None:
     )
 
 
+def flex_probe() -> None:
+    """Time FlexAttention's compile and run on a 4k-token tree row, printing as it goes."""
+    import time
+
+    row = build_workload(3.4, 4096, 512, scale=0.25).tree_rows[0]
+    start = time.perf_counter()
+    plan = build_tree_plan(row, backend="flex", device="cuda")
+    torch.cuda.synchronize()
+    print(f"  flex probe: block mask built in {time.perf_counter() - start:.1f} s", flush=True)
+    q, k, v = (torch.randn(1, 4, row.num_tokens, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))  # fmt: skip
+    from torch.nn.attention.flex_attention import flex_attention
+
+    static = torch.compile(flex_attention)  # default: static shapes first
+    for attempt in range(2):
+        start = time.perf_counter()
+        static(q, k, v, block_mask=plan.attention_state).sum().backward()
+        torch.cuda.synchronize()
+        print(
+            f"  flex probe: static compile, fwd+bwd {attempt} took {time.perf_counter() - start:.1f} s",
+            flush=True,
+        )
+    for attempt in range(2):
+        start = time.perf_counter()
+        plan.attend(q, k, v).sum().backward()
+        torch.cuda.synchronize()
+        print(
+            f"  flex probe: dynamic compile, fwd+bwd {attempt} took {time.perf_counter() - start:.1f} s",
+            flush=True,
+        )
+
+
+def _setup() -> tuple[Setup, argparse.Namespace]:
+    parser = argparse.ArgumentParser(description="GPU parity of tree attention and tree Gated DeltaNet")
+    parser.add_argument("--cpu-dry-run", action="store_true", help="test this script on CPU")
+    parser.add_argument("--flex-probe", action="store_true", help="only time FlexAttention's compile")
+    parser.add_argument("--backends", default="flex,varlen", help="attention backends to check")
+    parser.add_argument("--shapes", default="qwen3-1.7b,qwen3.5-hybrid-2b", help="head shapes to check")
+    parser.add_argument("--no-hybrid", action="store_true", help="skip the fla-core hybrid check")
+    args = parser.parse_args()
+    if args.cpu_dry_run:
+        return CPU_DRY_RUN, args
+    return Setup(backends=tuple(args.backends.split(","))), args
+
+
 def main() -> None:
-    setup = CPU_DRY_RUN if "--cpu-dry-run" in sys.argv else Setup()
+    setup, args = _setup()
+    if args.flex_probe:
+        flex_probe()
+        return
     where = torch.cuda.get_device_name() if setup.device == "cuda" else "CPU dry run"
     print(f"{where}, torch {torch.__version__}", flush=True)
-    for shape_name in ("qwen3-1.7b", "qwen3.5-hybrid-2b"):
+    for shape_name in args.shapes.split(","):
         attention_parity(setup, shape_name)
     dense_model_parity(setup)
-    hybrid_fla_parity(setup)
+    if not args.no_hybrid:
+        hybrid_fla_parity(setup)
     print("parity:", "FAILED " + ", ".join(FAILURES) if FAILURES else "all checks passed")
     sys.exit(1 if FAILURES else 0)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import httpx
@@ -100,6 +101,28 @@ class VLLMClient:
         raise ServerUnavailableError(
             f"{method} {self.base_url}{path} failed {self.config.vllm_max_retries + 1} times; last error: "
             f"{last_error}. Check that the server is up, or raise vllm_max_retries / vllm_server_timeout"
+        )
+
+    async def wait_until_ready(self, timeout_s: float | None = None) -> None:
+        """Poll `GET /health` until it answers 200, for at most `timeout_s` (default: vllm_server_timeout)."""
+        if self._http is None:
+            await self.open()
+        deadline = time.monotonic() + (self.config.vllm_server_timeout if timeout_s is None else timeout_s)
+        last = ""
+        while time.monotonic() < deadline:
+            try:
+                response = await self._http.get(
+                    "/health", timeout=min(5.0, max(deadline - time.monotonic(), 0.1))
+                )
+                if response.status_code == 200:
+                    return
+                last = f"HTTP {response.status_code}"
+            except httpx.TransportError as exc:  # still starting: retried until the deadline
+                last = f"{type(exc).__name__}: {exc}"
+            await asyncio.sleep(min(1.0, max(deadline - time.monotonic(), 0.0)))
+        raise ServerUnavailableError(
+            f"{self.base_url}/health did not answer 200 within the timeout (last: {last}); start the server "
+            "or raise vllm_server_timeout"
         )
 
     async def probe(self) -> ServerInfo:

@@ -142,6 +142,13 @@ def _plain_top(raw: bytes, num_top: int) -> tuple[np.ndarray, np.ndarray, np.nda
     return sampled, ids, values
 
 
+def _sampled_logprobs(raw_list: msgspec.Raw) -> np.ndarray | None:
+    try:
+        return np.asarray(_FLOATS.decode(raw_list), dtype=np.float32)
+    except msgspec.DecodeError:  # a null log-prob: leave it to the plain path
+        return None
+
+
 def decode_completion(
     raw: bytes, prompt_ids: Sequence[int] | np.ndarray, num_top: int, *, reference: bool = False
 ) -> TurnRecord:
@@ -150,20 +157,16 @@ def decode_completion(
     token_ids = np.asarray(choice.token_ids, dtype=np.int64)
     if choice.logprobs is None or bytes(choice.logprobs.token_logprobs) == b"null":
         raise ResponseFormatError("response has no logprobs; the request must set logprobs >= 0")
-    top = decoded = None
+    sampled = None if reference else _sampled_logprobs(choice.logprobs.token_logprobs)
+    decoded = None
     top_bytes = bytes(choice.logprobs.top_logprobs)
-    if not reference and num_top > 0 and token_ids.shape[0] and top_bytes != b"null":
-        try:
-            sampled = np.asarray(_FLOATS.decode(choice.logprobs.token_logprobs), dtype=np.float32)
-            decoded = _fast_top(top_bytes, token_ids, num_top)
-        except msgspec.DecodeError:  # a null log-prob: leave it to the plain path
-            decoded = None
-    if decoded is None:
-        sampled, top_ids, top_logprobs = _plain_top(raw, num_top)
-    else:
-        top_ids, top_logprobs = decoded
+    if sampled is not None and num_top > 0 and token_ids.shape[0] and top_bytes != b"null":
+        decoded = _fast_top(top_bytes, token_ids, num_top)
+    if sampled is None or (num_top > 0 and decoded is None):
+        sampled, *decoded = _plain_top(raw, num_top)
+    top = None
     if num_top > 0:
-        top = TopLogprobs(ids=top_ids, logprobs=_floor_to_inf(top_logprobs))
+        top = TopLogprobs(ids=decoded[0], logprobs=_floor_to_inf(decoded[1]))
     return TurnRecord(
         prompt_ids=prompt_ids,
         output_ids=token_ids,

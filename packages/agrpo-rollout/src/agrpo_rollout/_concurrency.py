@@ -106,7 +106,10 @@ class ConcurrencyController:
         while True:
             try:
                 await self.observe(await read_load())
-            except ServerError as exc:
+            except (
+                ServerError,
+                ValueError,
+            ) as exc:  # unreachable or unparsable /metrics: keep the cap, retry
                 logger.warning("reading /metrics failed (%s); the concurrency cap stays at %d", exc, self.cap)
             await asyncio.sleep(interval_s)
 

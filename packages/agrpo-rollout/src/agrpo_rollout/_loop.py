@@ -177,6 +177,7 @@ class AsyncRolloutLoop:
     async def _prepare(self) -> None:
         """Build what `run` needs: client (probed), controller, thread pool, tools, environments."""
         self.client = await VLLMClient(self.config).open()
+        await self.client.wait_until_ready()
         server = await self.client.probe()
         initial = (
             server.initial_concurrency(self.config.max_concurrent_rollouts)
@@ -356,15 +357,17 @@ class AsyncRolloutLoop:
         self._tasks, self._collectors = set(), set()
         try:
             await self.setup()
-            self._spawn(self.controller.poll(self.client.load, self.config.metrics_poll_interval_s))
+            watched = {
+                self._spawn(self.controller.poll(self.client.load, self.config.metrics_poll_interval_s))
+            }
             if metrics_sink is not None:
-                self._spawn(self._push_metrics(queue, metrics_sink))
+                watched.add(self._spawn(self._push_metrics(queue, metrics_sink)))
             scorer = self._spawn(self._score_groups(queue, sink, on_group))
-            dispatch = self._spawn(self._dispatch(queue, policy_version, on_group, max_groups))
-            done, _ = await asyncio.wait({scorer, dispatch}, return_when=asyncio.FIRST_EXCEPTION)
-            for task in done:
-                task.result()
-            await scorer
+            watched |= {scorer, self._spawn(self._dispatch(queue, policy_version, on_group, max_groups))}
+            while not scorer.done():  # any failure (dispatch, scoring, a sink, the poller) ends the run
+                done, watched = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    task.result()
             if metrics_sink is not None:
                 metrics_sink(self._metric_snapshot(queue))
         finally:

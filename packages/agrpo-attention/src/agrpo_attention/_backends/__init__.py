@@ -32,7 +32,7 @@ BACKENDS: dict[str, AttentionBackend] = {
 }
 
 AUTO_ORDER: dict[str, tuple[str, ...]] = {
-    "cuda": ("fa3", "fa4", "aiter", "flex", "varlen", "reference"),
+    "cuda": ("fa3", "fa4", "aiter", "varlen", "flex", "reference"),
     "cpu": ("reference",),
 }
 

@@ -1,8 +1,10 @@
 """The FlexAttention backend: one fused kernel over the packed row, masked by the tree.
 
 Owns the block mask: key j is visible to query i iff `j <= i < subtree_end[j]`, i.e. j's segment is
-an ancestor of (or is) i's segment and j is not after i. No K/V is copied; blocks the mask leaves
-empty are skipped, so a shared prompt is read once by every completion below it. On CUDA the kernel
+an ancestor of (or is) i's segment and j is not after i. The mask's block lists are computed straight
+from the tree with a few tensor ops (`create_block_mask(_compile=True)` took 41 s to compile on the
+H200 machine, per row shape). No K/V is copied; blocks the mask leaves empty are skipped, so a shared
+prompt is read once by every completion below it. On CUDA the kernel
 is compiled through Triton once (dynamic shapes), on CPU it runs FlexAttention's unfused eager path
 (tests only). Supports logit softcapping through a score_mod. Does not know transformers.
 """
@@ -33,20 +35,44 @@ def _softcap_score_mod(softcap: float):
     return score_mod
 
 
-def tree_block_mask(layout: TreeLayout):
-    """The BlockMask of `layout`'s ancestor relation."""
-    from torch.nn.attention.flex_attention import create_block_mask
+def _block_lists(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Q blocks, KV blocks) bool -> per query block: count and (listed first) indices of True kv blocks."""
+    counts = blocks.sum(dim=1, dtype=torch.int32)
+    order = torch.argsort(blocks.to(torch.int32), dim=1, descending=True, stable=True).to(torch.int32)
+    return counts[None, None], order[None, None]
 
-    n = layout.num_tokens
-    device = layout.subtree_end.device
-    padded = -(-n // _BLOCK) * _BLOCK + _BLOCK
-    ends = torch.full((padded,), -1, dtype=torch.int64, device=device)
+
+def tree_block_mask(layout: TreeLayout):
+    """The BlockMask of `layout`'s ancestor relation, built directly from the tree (no mask compile).
+
+    Key j is visible to queries [j, subtree_end[j]), so kv block b reaches query blocks j // 128 ..
+    (subtree_end[j] - 1) // 128 for each j in b (a difference array gives their union); a block pair is
+    full when every query follows every key and precedes every key's subtree end."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    n, device = layout.num_tokens, layout.subtree_end.device
+    num_blocks = -(-n // _BLOCK)
+    ends = torch.full((num_blocks * _BLOCK + _BLOCK,), -1, dtype=torch.int64, device=device)
     ends[:n] = layout.subtree_end
+    positions = torch.arange(n, device=device)
+    reach = torch.zeros(num_blocks, num_blocks + 1, dtype=torch.int32, device=device)
+    ones = torch.ones(n, dtype=torch.int32, device=device)
+    reach.index_put_((positions // _BLOCK, positions // _BLOCK), ones, accumulate=True)
+    reach.index_put_((positions // _BLOCK, (layout.subtree_end - 1) // _BLOCK + 1), -ones, accumulate=True)
+    any_visible = reach.cumsum(dim=1)[:, :num_blocks] > 0  # (kv block, q block)
+    blocks = torch.arange(num_blocks, device=device)
+    q_last = blocks * _BLOCK + _BLOCK - 1
+    min_end = ends[: num_blocks * _BLOCK].view(num_blocks, _BLOCK).min(dim=1).values
+    full = (blocks[None, :] > blocks[:, None]) & (q_last[None, :] < min_end[:, None]) & (q_last[None, :] < n)
+    partial_num, partial_index = _block_lists((any_visible & ~full).t())
+    full_num, full_index = _block_lists(full.t())
 
     def mask_mod(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (q_idx < ends[kv_idx])
 
-    return create_block_mask(mask_mod, None, None, n, n, device=device, _compile=device.type == "cuda")
+    return BlockMask.from_kv_blocks(
+        partial_num, partial_index, full_num, full_index, _BLOCK, mask_mod, seq_lengths=(n, n)
+    )
 
 
 class FlexBackend:
