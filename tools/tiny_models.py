@@ -82,6 +82,24 @@ HISTORY_REWRITE_TEMPLATE = _TOOLS_HEADER + _MESSAGES.replace(
 
 TEMPLATES = {"tools": TOOL_TEMPLATE, "history_rewrite": HISTORY_REWRITE_TEMPLATE}
 
+# How transformers' `tokenizer.parse_response` reads an assistant turn of these templates back into a
+# message: optional <think> reasoning, JSON tool calls between <tool_call> tags, and the text before.
+RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "reasoning_content": {"open": "<think>", "close": "</think>", "content": "text"},
+        "tool_calls": {
+            "open_pattern": r"\s*<tool_call>",
+            "close": "</tool_call>",
+            "repeats": True,
+            "content": "json",
+            "transform": {"type": "function", "function": "{content}"},
+        },
+        "content": {"close_pattern": r"\s*(?:<\|im_end\|>|<\|endoftext\|>)", "content": "text"},
+    },
+}
+
 _WORDS = (
     "the a of to and in is it you that he was for on are with as his they be at one have this from "
     "or had by hot word but what some we can out other were all there when up use your how said an "
@@ -139,6 +157,7 @@ def build_tokenizer(vocab_size: int = 512, template: str = "tools", seed: int = 
         pad_token="<|endoftext|>",
         additional_special_tokens=SPECIAL_TOKENS[1:],
         chat_template=TEMPLATES[template],
+        response_template=RESPONSE_TEMPLATE,
         model_max_length=4096,
     )
 

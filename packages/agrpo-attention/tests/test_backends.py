@@ -77,3 +77,34 @@ def test_unknown_backend_and_softcap_without_support_are_refused():
     with pytest.raises(UnsupportedModelError, match="softcapping"):
         resolve_backend("varlen", "cpu", needs_softcap=True)
     assert resolve_backend("auto", "cpu", needs_softcap=True).supports_softcap
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_flex_block_mask_equals_create_block_mask_in_values_and_layout(trees, seed):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from agrpo_attention._backends.flex import tree_block_mask
+    from agrpo_attention._tree_layout import build_tree_layout
+
+    row = trees.random_row(seed, vocab=512, prompts=3, longest=400)
+    layout = build_tree_layout(row, "cpu")
+    ends = layout.subtree_end
+    want = create_block_mask(
+        lambda b, h, q, kv: (kv <= q) & (q < ends[kv]),
+        None,
+        None,
+        row.num_tokens,
+        row.num_tokens,
+        device="cpu",
+    )
+    got = tree_block_mask(layout)
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+        a, b = getattr(got, name), getattr(want, name)
+        assert a.is_contiguous(), f"{name} must be row-major: the GPU kernel reads it so"
+        counts = getattr(want, name.replace("indices", "num_blocks"))[0, 0]
+        if name.endswith("indices"):  # only the first `count` entries of each row are meaningful
+            for q_block, count in enumerate(counts.tolist()):
+                assert torch.equal(a[0, 0, q_block, :count], b[0, 0, q_block, :count]), name
+        else:
+            assert torch.equal(a, b), name
+    assert got.seq_lengths == want.seq_lengths

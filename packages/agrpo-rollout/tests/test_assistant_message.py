@@ -4,31 +4,21 @@ import pytest
 
 from agrpo_rollout._assistant_message import parse_assistant_turn, parser_kind
 
-# The Qwen3 response template of transformers' serving fallbacks, which the tiny ChatML+<tool_call>
-# tokenizer also follows (the lead may attach it to tools/tiny_models.py's tokenizer).
-QWEN3_RESPONSE_TEMPLATE = {
-    "defaults": {"role": "assistant"},
-    "start_anchor": "<|im_start|>assistant\n",
-    "fields": {
-        "reasoning_content": {"open": "<think>", "close": "</think>", "content": "text"},
-        "tool_calls": {
-            "open_pattern": r"\s*<tool_call>",
-            "close": "</tool_call>",
-            "repeats": True,
-            "content": "json",
-            "transform": {"type": "function", "function": "{content}"},
-        },
-        "content": {"close_pattern": r"\s*(?:<\|im_end\|>|<\|endoftext\|>|<\|eot_id\|>)", "content": "text"},
-    },
-}
-
 CALLS = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>\n<tool_call>\n{"name": "mul", "arguments": "{\\"x\\": 1}"}\n</tool_call><|im_end|>'
 
 
 @pytest.fixture
 def template_tokenizer(tool_tokenizer):
+    """The tiny tokenizer carries a `response_template` (tools/tiny_models.py), read by `parse_response`."""
+    assert tool_tokenizer.response_template is not None
+    return tool_tokenizer
+
+
+@pytest.fixture
+def tagged_tokenizer(tool_tokenizer):
+    """The same tokenizer without a response template: calls are read from the <tool_call> tags."""
     tokenizer = copy.deepcopy(tool_tokenizer)
-    tokenizer.response_template = QWEN3_RESPONSE_TEMPLATE
+    tokenizer.response_template = None
     return tokenizer
 
 
@@ -37,8 +27,8 @@ def _ids(tokenizer, text):
 
 
 @pytest.mark.parametrize("kind", ["tagged", "template"])
-def test_tool_calls_parse_in_order(tool_tokenizer, template_tokenizer, kind):
-    tokenizer = template_tokenizer if kind == "template" else tool_tokenizer
+def test_tool_calls_parse_in_order(tagged_tokenizer, template_tokenizer, kind):
+    tokenizer = template_tokenizer if kind == "template" else tagged_tokenizer
     assert parser_kind(tokenizer) == kind
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "hi"}], add_generation_prompt=True, return_dict=False
@@ -54,8 +44,8 @@ def test_tool_calls_parse_in_order(tool_tokenizer, template_tokenizer, kind):
 
 
 @pytest.mark.parametrize("kind", ["tagged", "template"])
-def test_malformed_calls_become_plain_text(tool_tokenizer, template_tokenizer, kind):
-    tokenizer = template_tokenizer if kind == "template" else tool_tokenizer
+def test_malformed_calls_become_plain_text(tagged_tokenizer, template_tokenizer, kind):
+    tokenizer = template_tokenizer if kind == "template" else tagged_tokenizer
     message = parse_assistant_turn(
         tokenizer, _ids(tokenizer, "oops <tool_call> {not json<|im_end|>"), [], kind
     )

@@ -53,7 +53,6 @@ def test_eval_cli_on_a_jsonl_file(vllm_server, tmp_path, capsys):
 
 
 def test_reasoning_gym_tasks_load_and_score_with_their_own_scorer():
-    pytest.importorskip("reasoning_gym", reason="the optional extra agrpo-rollout[gym] is not installed")
     from agrpo_rollout._evaluation import gym_score
 
     rows = load_eval_dataset("basic_arithmetic", num_prompts=3, seed=1)

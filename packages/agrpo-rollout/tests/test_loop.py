@@ -279,13 +279,39 @@ def broken_reward(completions, **_):
 
 def test_failures_end_the_run_with_the_original_error(server_config, tool_tokenizer):
     dataset = [{"prompt": _chat("q")}]
-    loop = AsyncRolloutLoop(server_config(), tokenizer=tool_tokenizer, dataset=dataset, reward_funcs=broken_reward)
+    loop = AsyncRolloutLoop(
+        server_config(), tokenizer=tool_tokenizer, dataset=dataset, reward_funcs=broken_reward
+    )
     with pytest.raises(RuntimeError, match="grader is down"):
         asyncio.run(loop.run(lambda sample: None))
 
     def full_queue(sample):
         raise OverflowError("queue full")
 
-    loop = AsyncRolloutLoop(server_config(), tokenizer=tool_tokenizer, dataset=dataset, reward_funcs=length_reward)
+    loop = AsyncRolloutLoop(
+        server_config(), tokenizer=tool_tokenizer, dataset=dataset, reward_funcs=length_reward
+    )
     with pytest.raises(OverflowError, match="queue full"):
         asyncio.run(loop.run(full_queue, metrics_sink=lambda metrics: None))
+
+
+class ReferenceSignatureLoop(AsyncRolloutLoop):
+    """Overrides `generate_one_turn` with the reference's one-argument signature."""
+
+    async def generate_one_turn(self, prompt_ids):
+        turn = await self.client.sample(prompt_ids, max_tokens=3)
+        self.seen.append(len(prompt_ids))
+        return turn
+
+
+def test_overrides_with_the_reference_signature_still_run(server_config, tool_tokenizer):
+    loop = ReferenceSignatureLoop(
+        server_config(),
+        tokenizer=tool_tokenizer,
+        dataset=[{"prompt": _chat("hi")}],
+        reward_funcs=length_reward,
+        max_epochs=1,
+    )
+    loop.seen = []
+    _, groups, _ = _run(loop)
+    assert len(loop.seen) == 2 and all(len(r.completion_ids) <= 3 for r in groups[0].group.rollouts)

@@ -1,9 +1,10 @@
 """The table of tree-attention backends, and how "auto" picks one.
 
 Owns `BACKENDS` (name -> backend object; add a backend by adding a module and one line here) and
-`AUTO_ORDER`, the preference order per device type, fastest first as measured in docs/benchmarks.md
-(on an H200 with torch 2.11: flex beats torch's varlen_attn plus the K/V gather). Does not know
-transformers or models.
+`AUTO_ORDER`, the preference order per device type. On CUDA: FA3/FA4/aiter when installed, then torch's
+varlen_attn, then flex. varlen comes before flex because it is the backend whose parity and speed were
+measured on the H200 machine (docs/benchmarks.md); flex's GPU run there used a mis-strided block mask
+(fixed since, not re-measured). Does not know transformers or models.
 """
 
 from __future__ import annotations

@@ -39,7 +39,9 @@ def _block_lists(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(Q blocks, KV blocks) bool -> per query block: count and (listed first) indices of True kv blocks."""
     counts = blocks.sum(dim=1, dtype=torch.int32)
     order = torch.argsort(blocks.to(torch.int32), dim=1, descending=True, stable=True).to(torch.int32)
-    return counts[None, None], order[None, None]
+    # The Triton kernel reads these row-major: argsort of a transposed input keeps its column-major
+    # strides, which the CPU path tolerates and the GPU kernel silently misreads.
+    return counts[None, None].contiguous(), order[None, None].contiguous()
 
 
 def tree_block_mask(layout: TreeLayout):
