@@ -125,7 +125,7 @@ class VLLMServer:
             "--model", str(self.model_dir),
             "--host", "127.0.0.1", "--port", str(self.port),
             "--dtype", "float32", "--max-model-len", str(self.max_model_len),
-            "--enforce-eager", "--max-logprobs", "20",
+            "--enforce-eager", "--max-logprobs", "20", "--logprobs-mode", "processed_logprobs",
             *self.extra_args,
         ]  # fmt: skip
 

@@ -1,4 +1,5 @@
 import asyncio
+import dataclasses
 import logging
 
 import pytest
@@ -31,8 +32,16 @@ def test_missing_flags_are_named(server_config, caplog):
         _probe(server_config(model_name="no-such-adapter"))
     with caplog.at_level(logging.WARNING, logger="agrpo_rollout"):
         info = _probe(server_config(top_k=50, top_p=0.9))
-    text = caplog.text
-    assert (
-        "--enable-scale-out --return-sampling-mask" in text and "--logprobs-mode processed_logprobs" in text
-    )
+    assert "--enable-scale-out --return-sampling-mask" in caplog.text
+    assert info.logprobs_mode == "processed_logprobs"
     assert info.check(RolloutConfig(num_sampler_logprobs=0, max_completion_length=16)) == []
+
+
+def test_raw_logprobs_are_flagged_only_when_sampling_reshapes_the_distribution(vllm_server, server_config):
+    raw = dataclasses.replace(_probe(server_config()), logprobs_mode="raw_logprobs")
+    assert (
+        raw.check(RolloutConfig(max_completion_length=16)) == []
+    )  # temperature 1, no filters: raw == processed
+    for reshaping in [dict(temperature=0.7), dict(repetition_penalty=1.1)]:
+        [warning] = raw.check(RolloutConfig(max_completion_length=16, **reshaping))
+        assert "--logprobs-mode processed_logprobs" in warning

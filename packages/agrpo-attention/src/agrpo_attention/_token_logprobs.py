@@ -68,6 +68,9 @@ def token_logprobs(
     `model`, which `enable_tree_attention` switched to tree attention. Differentiable. `temperature`
     divides the logits (match the sampler's). `plan`: a prebuilt `build_tree_plan(packed_row, model)`."""
     settings = tree_settings(model)
+    if packed_row.num_loss_terms == 0:  # nothing to score (e.g. only untrained samples): skip the forward
+        anchor = next(model.parameters())
+        return anchor.new_zeros(0, dtype=torch.float32) * anchor.flatten()[:1].float()  # still differentiable
     if plan is None:
         plan = build_tree_plan(packed_row, model)
     elif plan.backend is not settings.backend or (plan.deltanet is None) != (

@@ -83,10 +83,11 @@ class ServerInfo:
                 f"--max-logprobs {max(needed, 20)} or lower num_sampler_logprobs"
             )
         warnings = []
-        if config.num_sampler_logprobs and self.logprobs_mode not in (None, "processed_logprobs"):
+        reshapes = config.temperature != 1.0 or config.repetition_penalty != 1.0 or config.truncates_vocabulary
+        if reshapes and self.logprobs_mode not in (None, "processed_logprobs"):
             warnings.append(
-                f"the server runs with --logprobs-mode {self.logprobs_mode}: sampler log-probs ignore temperature "
-                "and top-k/top-p, so importance ratios are biased; restart it with --logprobs-mode processed_logprobs"
+                f"the server runs with --logprobs-mode {self.logprobs_mode}: sampler log-probs ignore temperature, "
+                "penalties and top-k/top-p, so importance ratios are biased; restart it with --logprobs-mode processed_logprobs"
             )
         if config.truncates_vocabulary and not self.uses_generate_endpoint:
             missing = [
