@@ -110,7 +110,7 @@ def tree_hybrid(tiny_hybrid):
     return model
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(samples=grpo_groups(max_completion_tokens=12, vocab_size=5))
 def test_dense_packed_equals_alone_logprobs_and_gradients(tree_dense, tiny_dense, samples):
     row = TreeRow(0)
@@ -122,7 +122,7 @@ def test_dense_packed_equals_alone_logprobs_and_gradients(tree_dense, tiny_dense
     assert_gradients_close(grads, rtol=1e-4)
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(samples=grpo_groups(max_prompt_tokens=40, max_completion_tokens=50, vocab_size=5))
 def test_hybrid_packed_equals_alone_logprobs_and_gradients_fp32(tree_hybrid, tiny_hybrid, samples):
     row = TreeRow(0)

@@ -5,15 +5,13 @@ and of `/inference/v1/generate`, and their conversion to arrays. Does not know H
 
 Why this is not `json.loads`: with 8 top log-probs a generated token costs about 350 bytes of JSON,
 mostly `{"token_id:343":-6.2199,...}` objects. Building those dicts costs about 5 us per token, which
-makes a 2-core rollout process the bottleneck of a large server. The fast path instead
-1. decodes the envelope with msgspec, keeping `top_logprobs` as raw bytes;
-2. rewrites those bytes in one `bytes.translate` pass into a flat JSON array `[id,lp,id,lp,...]`
-   (quotes become commas; braces, colons, commas and the letters of `token_id` are deleted; the
-   `e` of an exponent such as `-1.2e-07` is first upper-cased so it survives);
-3. decodes that array with msgspec and finds each token's entries with two vectorised byte scans.
-vLLM puts the sampled token first in each dict and adds it as entry K+1 only when it is outside the
-top K, so a row of K+1 entries drops its first. Every assumption is verified (entry counts, sampled
-ids); anything unexpected (NaN, a positive exponent, a missing field) falls back to the plain
+makes a 2-core rollout process the bottleneck of a large server. The fast path creates no Python
+object per token: it finds the `top_logprobs` array with two `bytes.find`s, decodes the rest of the
+envelope with msgspec (the array replaced by a `0` marker, which proves it was choice 0's) and the
+array itself in bulk (`_top_logprobs_json.py`). vLLM lists the sampled token first in each dict and
+adds it as entry K+1 only when it is outside the top K, so a row of K+1 entries drops its first, and
+the sampled log-prob is the first entry's (vLLM writes it and `token_logprobs` from the same
+`Logprob`); first ids are checked against `token_ids`. Anything unexpected falls back to the plain
 path, which is also the reference the tests compare against. Cost: `tools/bench/rollout_client`.
 """
 
@@ -26,11 +24,11 @@ import msgspec
 import numpy as np
 
 from ._exceptions import ResponseFormatError
+from ._top_logprobs_json import decode_top_logprobs
 from ._turn import TopLogprobs, TurnRecord
 
 _TOKEN_ID_PREFIX = "token_id:"
-_TRANSLATE = bytes.maketrans(b'"', b",")
-_DELETE = b"{}" + b"token_id:" + b","  # lowercase `e` goes too; exponents are upper-cased first
+_TOP_START = b'"top_logprobs":[{'
 _FLOATS = msgspec.json.Decoder(list[float])
 
 
@@ -95,35 +93,26 @@ def _floor_to_inf(logprobs: np.ndarray) -> np.ndarray:
     return np.where(logprobs <= -9999.0, np.float32(-np.inf), logprobs).astype(np.float32, copy=False)
 
 
-def _fast_top(top: bytes, token_ids: np.ndarray, num_top: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """(top ids (T, K), top log-probs (T, K)), or None when the bytes are unusual."""
-    scan = np.frombuffer(top, np.uint8)
-    minus = np.flatnonzero(scan == 45)
-    exponents = minus[scan[minus - 1] == 101]  # the `e` of `1.2e-07`, not the one of `token_id`
-    if exponents.size:
-        top = bytearray(top)
-        for position in (exponents - 1).tolist():
-            top[position] = 69  # `E`: survives the deletion of `e`, still valid JSON
+def _fast(raw: bytes, num_top: int):
+    """(choice, token ids, sampled log-probs, (T, K) ids, (T, K) log-probs) or None: see the module doc."""
+    lo = raw.find(_TOP_START) + len(_TOP_START) - 2
+    hi = raw.find(b"]", lo)
+    if lo < 32 or hi < 0:
+        return None
     try:
-        flat = _FLOATS.decode(b"[" + top.translate(_TRANSLATE, _DELETE)[2:])
+        choices = _COMPLETION.decode(raw[:lo] + b"0" + raw[hi + 1 :]).choices
     except msgspec.DecodeError:
         return None
-    if len(flat) % 2:
+    choice = choices[0] if choices else None
+    if choice is None or choice.token_ids is None or choice.logprobs is None:
         return None
-    pairs = np.fromiter(flat, np.float64, len(flat)).reshape(-1, 2)
-    colons = np.flatnonzero(scan == 58)
-    starts = np.searchsorted(colons, np.flatnonzero(scan == 123)) >> 1
-    counts = np.diff(starts, append=pairs.shape[0])
-    if (
-        colons.size != 2 * pairs.shape[0]
-        or starts.shape[0] != token_ids.shape[0]
-        or counts.min() < num_top
-        or counts.max() > num_top + 1
-        or not np.array_equal(pairs[starts, 0], token_ids)
-    ):
+    if bytes(choice.logprobs.top_logprobs) != b"0":
         return None
-    chosen = pairs[(starts + (counts > num_top))[:, None] + np.arange(num_top)]
-    return chosen[..., 0].astype(np.int64), chosen[..., 1].astype(np.float32)
+    decoded = decode_top_logprobs(raw, lo, hi, num_top)
+    token_ids = np.asarray(choice.token_ids, dtype=np.int64)
+    if decoded is None or decoded[0].shape != token_ids.shape or (decoded[0] != token_ids).any():
+        return None
+    return choice, token_ids, *decoded[1:]
 
 
 def _plain_top(raw: bytes, num_top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -153,16 +142,24 @@ def decode_completion(
     raw: bytes, prompt_ids: Sequence[int] | np.ndarray, num_top: int, *, reference: bool = False
 ) -> TurnRecord:
     """Turn a `/v1/completions` response body into a `TurnRecord` (fast path unless `reference`)."""
+    fast = None if reference or num_top <= 0 else _fast(raw, num_top)
+    if fast is not None:
+        choice, token_ids, sampled, top_ids, top_logprobs = fast
+        top = TopLogprobs(ids=top_ids, logprobs=_floor_to_inf(top_logprobs))
+        return TurnRecord(
+            prompt_ids=prompt_ids,
+            output_ids=token_ids,
+            output_log_probs=sampled,
+            output_sampler_logprobs=top,
+            finish_reason=choice.finish_reason,
+        )
     choice = _first_choice(_COMPLETION.decode(raw).choices, raw)
     token_ids = np.asarray(choice.token_ids, dtype=np.int64)
     if choice.logprobs is None or bytes(choice.logprobs.token_logprobs) == b"null":
         raise ResponseFormatError("response has no logprobs; the request must set logprobs >= 0")
     sampled = None if reference else _sampled_logprobs(choice.logprobs.token_logprobs)
     decoded = None
-    top_bytes = bytes(choice.logprobs.top_logprobs)
-    if sampled is not None and num_top > 0 and token_ids.shape[0] and top_bytes != b"null":
-        decoded = _fast_top(top_bytes, token_ids, num_top)
-    if sampled is None or (num_top > 0 and decoded is None):
+    if sampled is None or num_top > 0:
         sampled, *decoded = _plain_top(raw, num_top)
     top = None
     if num_top > 0:

@@ -83,7 +83,9 @@ class ServerInfo:
                 f"--max-logprobs {max(needed, 20)} or lower num_sampler_logprobs"
             )
         warnings = []
-        reshapes = config.temperature != 1.0 or config.repetition_penalty != 1.0 or config.truncates_vocabulary
+        reshapes = (
+            config.temperature != 1.0 or config.repetition_penalty != 1.0 or config.truncates_vocabulary
+        )
         if reshapes and self.logprobs_mode not in (None, "processed_logprobs"):
             warnings.append(
                 f"the server runs with --logprobs-mode {self.logprobs_mode}: sampler log-probs ignore temperature, "
