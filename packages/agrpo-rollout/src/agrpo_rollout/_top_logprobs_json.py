@@ -44,7 +44,7 @@ _KEY_TAIL = _u64(int.from_bytes(b"oken_id:", "little"))
 _KEY_HEAD = _u64(int.from_bytes(b'"t', "little"))
 _SHIFT_TOP, _SHIFT_BYTE = _u64(48), _u64(8)
 _CARRY = _u64(56)
-_EXPONENT_COLUMNS, _EXPONENT_WEIGHTS = np.arange(5, 8), np.array([100, 10, 1])
+_EXPONENT_NEED, _EXPONENT_WEIGHTS = np.array([2, 1, 0]), np.array([100, 10, 1])  # last 3 bytes
 _E_MARK = (_u64(0x2020202020202020), _u64(int.from_bytes(b"e" * 8, "little")), _u64(0x7F7F7F7F7F7F7F7F))
 _CHUNK_SCALE = np.array([10**16, 10**8, 1], dtype=np.uint64)
 _POW10_INT = np.array([10**k for k in range(9)], dtype=np.uint64)
@@ -105,25 +105,22 @@ def _entry_layout(raw: bytes, scan: np.ndarray, lo: int, hi: int):
 
 
 def _exponents(raw: bytes, words: np.ndarray, ends: np.ndarray):
-    """(signed exponent, mantissa end) per number; re-gathers the numbers with an exponent, whose
-    `e` must lie in their last 8 bytes (no key's `e` can be there) and have 1 to 3 digits."""
+    """(exponent, mantissa end) per number; re-gathers the numbers with an exponent, which must be
+    Python's form: `e`, a sign and 1 to 3 digits, in the number's last 8 bytes (no key's `e` is)."""
     exponent = np.zeros(words.shape[0], np.int64)
     case, letter, low7 = _E_MARK
     marked = (words[:, 3] | case) ^ letter  # zero bytes at `e` and `E`
-    marked = ~(((marked & low7) + low7) | marked | low7)  # exactly their top bits
-    which = marked.nonzero()[0]
+    which = (~(((marked & low7) + low7) | marked | low7)).nonzero()[0]  # exact zero-byte test
     if not which.size:
         return exponent, ends
     tail = words[which, 3].view(np.uint8).reshape(-1, 8)  # the number's last 8 bytes
-    column = ((tail | np.uint8(32)) == 101).argmax(1)  # of its `e`
-    sign = tail[np.arange(which.size), np.minimum(column + 1, 7)]
-    count = 7 - column - ((sign == 45) | (sign == 43))
-    digits = tail[:, 5:].astype(np.int64) - 48
-    used = _EXPONENT_COLUMNS >= 8 - count[:, None]
-    if count.min() < 1 or count.max() > 3 or (used & ((digits < 0) | (digits > 9))).any():
+    column = ((tail | np.uint8(32)) == 101).argmax(1)  # of its `e`, then a sign, then digits
+    digits = tail[:, 5:] - np.uint8(48)
+    used = (column - 3)[:, None] <= _EXPONENT_NEED  # digit columns 5, 6, 7 after the sign
+    sign = tail.reshape(-1)[np.arange(0, tail.size, 8) + np.minimum(column + 1, 7)]
+    if not (((digits < 10) | ~used).all() and ((sign == 45) | (sign == 43)).all() and 3 <= column.min()):
         return None
-    value = (digits * used) @ _EXPONENT_WEIGHTS
-    exponent[which] = np.where(sign == 45, -value, value)
+    exponent[which] = ((digits * used) @ _EXPONENT_WEIGHTS) * (44 - sign.astype(np.int64))
     ends = ends.copy()
     ends[which] += column - 8
     words[which] = _rows(raw, ends[which] - 32, 32)
