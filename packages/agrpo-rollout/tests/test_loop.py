@@ -1,3 +1,4 @@
+
 """`AsyncRolloutLoop` end to end against the real CPU vLLM server.
 
 A random tiny model never emits a well-formed tool call, so the tool tests use `ScriptedToolLoop`:
@@ -7,6 +8,7 @@ only (`output_mask` 0): nothing is trained on them and no log-prob is invented f
 """
 
 import asyncio
+import logging
 
 import numpy as np
 import pytest
@@ -124,6 +126,24 @@ def test_filtered_and_zero_std_groups_are_reported_not_emitted(server_config, to
         (3, "filtered"),
     ]
     assert metrics[-1]["frac_reward_zero_std"] == 1.0 and metrics[-1]["reward"] == 1.0
+
+
+def test_prompts_longer_than_the_context_are_counted_named_and_dropped(server_config, tool_tokenizer, caplog):
+    long_prompt = _chat("one two three " * 1200)  # well over the server's max_model_len of 2048 tokens
+    dataset = [{"prompt": long_prompt}, {"prompt": _chat("What is 1 + 1?")}]
+    loop = AsyncRolloutLoop(
+        server_config(num_generations=2, max_completion_length=8),
+        tokenizer=tool_tokenizer,
+        dataset=dataset,
+        reward_funcs=length_reward,
+        max_epochs=1,
+    )
+    with caplog.at_level(logging.WARNING, logger="agrpo_rollout"):
+        samples, groups, metrics = _run(loop)
+    assert "--max-model-len" in caplog.text and "filter_prompt" in caplog.text
+    assert metrics[-1]["rollout/prompt_too_long_total"] == 2.0  # both rollouts of the long prompt
+    assert {s.group_id for s in samples} <= {g.group_id for g in groups if g.row_index == 1}
+    assert not next(g for g in groups if g.row_index == 0).kept
 
 
 def test_multi_turn_tool_conversation(server_config, tool_tokenizer):

@@ -128,6 +128,8 @@ class AsyncRolloutLoop:
         exhausted = False
         while True:
             prompt_ids = render_prompt(self.tokenizer, talk.messages, toolbox.schemas, kwargs)
+            if not talk.turns:
+                self._check_prompt_fits(prompt_ids)
             turn = await self._turn(prompt_ids, talk.budget)
             message = parse_assistant_turn(
                 self.tokenizer, turn.output_ids, turn.prompt_ids, self._parser_kind
@@ -164,8 +166,24 @@ class AsyncRolloutLoop:
             return await self.generate_one_turn(prompt_ids, max_tokens=budget)
         return await self.generate_one_turn(prompt_ids)
 
+    def _check_prompt_fits(self, prompt_ids: list[int]) -> None:
+        """A prompt that fills the server's context yields an empty, untrainable rollout: count and say so."""
+        limit = self.client.server.max_model_len
+        if len(prompt_ids) < limit:
+            return
+        self.metrics.prompt_too_long_total += 1
+        if self.metrics.prompt_too_long_total == 1:
+            logger.warning(
+                "a prompt of %d tokens leaves no room under the server's max_model_len %d, so its rollouts are "
+                "empty and its group is dropped (rollout/prompt_too_long_total counts them); restart the server "
+                "with a larger --max-model-len or reject long prompts in filter_prompt",
+                len(prompt_ids),
+                limit,
+            )
+
     async def _generate_text(self, prompt: str) -> Rollout:
         prompt_ids = self.tokenizer.encode(prompt)
+        self._check_prompt_fits(prompt_ids)
         turn = await self._turn(prompt_ids, self.config.max_completion_length)
         text = parse_assistant_turn(self.tokenizer, turn.output_ids, prompt_ids, "plain").content
         return Rollout(

@@ -31,6 +31,7 @@ class RolloutMetrics:
         self.tool_failures_total: dict[str, int] = defaultdict(int)
         self.unknown_tool_total = 0
         self.parse_failure_total = 0
+        self.prompt_too_long_total = 0
         self._window_start = time.monotonic()
         self._reset_window()
 
@@ -99,6 +100,7 @@ class RolloutMetrics:
     def _rollout_part(self) -> dict[str, float]:
         out = {
             "rollout/duration_s": _mean(self.durations),
+            "rollout/prompt_too_long_total": float(self.prompt_too_long_total),
             "rollout/turns_mean": _mean(self.turns),
             "rollout/turns_max": float(max(self.turns, default=0)),
             "rollout/samples_per_rollout": _mean(self.samples_per_rollout),

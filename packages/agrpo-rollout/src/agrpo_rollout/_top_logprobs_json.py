@@ -44,8 +44,8 @@ _KEY_TAIL = _u64(int.from_bytes(b"oken_id:", "little"))
 _KEY_HEAD = _u64(int.from_bytes(b'"t', "little"))
 _SHIFT_TOP, _SHIFT_BYTE = _u64(48), _u64(8)
 _CARRY = _u64(56)
-_EXPONENT_NEED, _EXPONENT_WEIGHTS = np.array([2, 1, 0]), np.array([100, 10, 1])  # last 3 bytes
 _E_MARK = (_u64(0x2020202020202020), _u64(int.from_bytes(b"e" * 8, "little")), _u64(0x7F7F7F7F7F7F7F7F))
+_EXPONENT_NEED, _EXPONENT_WEIGHTS = np.array([0, 1, 2]), np.array([100, 10, 1])  # last 3 bytes
 _CHUNK_SCALE = np.array([10**16, 10**8, 1], dtype=np.uint64)
 _POW10_INT = np.array([10**k for k in range(9)], dtype=np.uint64)
 _POW10 = np.array([float(f"1e{k}") for k in range(401)])  # correctly rounded; exact up to 1e22
@@ -118,7 +118,9 @@ def _exponents(raw: bytes, words: np.ndarray, ends: np.ndarray):
     digits = tail[:, 5:] - np.uint8(48)
     used = (column - 3)[:, None] <= _EXPONENT_NEED  # digit columns 5, 6, 7 after the sign
     sign = tail.reshape(-1)[np.arange(0, tail.size, 8) + np.minimum(column + 1, 7)]
-    if not (((digits < 10) | ~used).all() and ((sign == 45) | (sign == 43)).all() and 3 <= column.min()):
+    if column.min() < 3 or column.max() > 5:  # 1 to 3 digits
+        return None
+    if not (((digits < 10) | ~used).all() and ((sign == 45) | (sign == 43)).all()):
         return None
     exponent[which] = ((digits * used) @ _EXPONENT_WEIGHTS) * (44 - sign.astype(np.int64))
     ends = ends.copy()
