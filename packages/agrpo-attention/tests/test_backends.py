@@ -108,3 +108,32 @@ def test_flex_block_mask_equals_create_block_mask_in_values_and_layout(trees, se
         else:
             assert torch.equal(a, b), name
     assert got.seq_lengths == want.seq_lengths
+
+
+@pytest.mark.parametrize("share", [True, False])
+@pytest.mark.parametrize("seed", range(3))
+def test_cascade_split_and_merge_equal_reference_with_gradients(trees, seed, share):
+    """The cascade decomposition (own causal blocks + ancestor cross blocks, merged by log-sum-exp, backward
+    with the merged output/lse) is exact; run with its plain-PyTorch kernel twin, which the CUDA path swaps
+    for FA2's forward/backward."""
+    from agrpo_attention._backends.cascade import build_cascade_state, cascade_attention
+    from agrpo_attention._tree_layout import build_tree_layout
+
+    row = trees.random_row(seed, share=share, vocab=512, prompts=3, longest=120)
+    q, k, v = (x.requires_grad_() for x in random_qkv(row, seed))
+    layout = build_tree_layout(row, "cpu")
+    state = build_cascade_state(layout)
+    assert (state.cross_q_index is None) == (not share)
+    out = cascade_attention(q, k, v, layout, state, scaling=0.3)
+    expected = build_tree_plan(row, backend="reference").attend(q, k, v, scaling=0.3)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    weights = torch.randn_like(out)
+    grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    expected_grads = torch.autograd.grad((expected * weights).sum(), (q, k, v))
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-11)
+
+
+def test_cascade_refuses_cpu_clearly():
+    with pytest.raises(BackendUnavailableError, match="backend='cascade' cannot run here"):
+        resolve_backend("cascade", "cpu", needs_softcap=False)

@@ -7,7 +7,7 @@ recorded by `record.py` (`responses.jsonl.gz`, about 350 bytes of JSON per gener
 
 Side by side, per generated token, best of N runs over all responses:
 - baseline: `json.loads` + one `{int(id): logprob}` dict per token (what a plain client does);
-- agrpo: `decode_completion` (msgspec envelope + one translate pass + vectorised scans, SPEC 12);
+- agrpo: `decode_completion` (msgspec envelope + bulk numpy/SWAR decoding of `top_logprobs`, SPEC 12);
 - agrpo-reference: `decode_completion(reference=True)`, the plain path the fast one is tested against.
 """
 

@@ -14,6 +14,7 @@ import torch
 from .._attention_backend import AttentionBackend
 from .._exceptions import BackendUnavailableError, UnsupportedModelError
 from .aiter import AiterBackend
+from .cascade import CascadeBackend
 from .fa3 import FA3Backend
 from .fa4 import FA4Backend
 from .flex import FlexBackend
@@ -26,6 +27,7 @@ BACKENDS: dict[str, AttentionBackend] = {
         ReferenceBackend(),
         FlexBackend(),
         VarlenBackend(),
+        CascadeBackend(),
         FA3Backend(),
         FA4Backend(),
         AiterBackend(),
@@ -33,7 +35,7 @@ BACKENDS: dict[str, AttentionBackend] = {
 }
 
 AUTO_ORDER: dict[str, tuple[str, ...]] = {
-    "cuda": ("fa3", "fa4", "aiter", "varlen", "flex", "reference"),
+    "cuda": ("fa3", "fa4", "aiter", "varlen", "cascade", "flex", "reference"),
     "cpu": ("reference",),
 }
 
