@@ -137,3 +137,17 @@ def test_cascade_split_and_merge_equal_reference_with_gradients(trees, seed, sha
 def test_cascade_refuses_cpu_clearly():
     with pytest.raises(BackendUnavailableError, match="backend='cascade' cannot run here"):
         resolve_backend("cascade", "cpu", needs_softcap=False)
+
+
+def test_adaptive_picks_varlen_for_rows_that_share_little_and_flex_for_rows_that_share_a_lot(trees):
+    from agrpo_attention._backends.adaptive import FLEX_FROM_PATH_RATIO, AdaptiveBackend, path_ratio
+    from agrpo_attention._tree_layout import build_tree_layout
+
+    backend = AdaptiveBackend()
+    flat = build_tree_layout(trees.random_row(0, share=False), "cpu")
+    assert path_ratio(flat) == 1.0 and backend.choose(flat).name == "varlen"
+    shared = build_tree_layout(trees.random_row(0, vocab=512, rollouts=8, longest=60), "cpu")
+    assert backend.choose(shared).name == ("flex" if path_ratio(shared) >= FLEX_FROM_PATH_RATIO else "varlen")
+    assert resolve_backend("auto", "cpu", needs_softcap=False).name == "reference"
+    with pytest.raises(BackendUnavailableError, match="backend='adaptive' cannot run here"):
+        resolve_backend("adaptive", "cpu", needs_softcap=False)

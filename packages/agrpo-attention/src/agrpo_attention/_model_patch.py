@@ -99,7 +99,7 @@ def enable_tree_attention(
     model: torch.nn.Module, backend: str = "auto", *, deltanet_kernel: str = "auto"
 ) -> str:
     """Switch `model` (a transformers causal LM, already on its device) to tree attention; returns the backend
-    name chosen. `backend`: "auto", "reference", "flex", "varlen", "fa3", "fa4" or "aiter". `deltanet_kernel`
+    name chosen. `backend`: "auto", "reference", "flex", "varlen", "cascade", "adaptive", "fa3", "fa4" or "aiter". `deltanet_kernel`
     (hybrids only): "auto" ("fla" on CUDA with fla-core installed, else "torch"), "torch" or "fla"."""
     config = _text_config(model)
     deltanets = _deltanet_modules(model, config)

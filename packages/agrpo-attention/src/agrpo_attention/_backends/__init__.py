@@ -1,10 +1,9 @@
 """The table of tree-attention backends, and how "auto" picks one.
 
 Owns `BACKENDS` (name -> backend object; add a backend by adding a module and one line here) and
-`AUTO_ORDER`, the preference order per device type. On CUDA: FA3/FA4/aiter when installed, then torch's
-varlen_attn, then flex. varlen comes before flex because it is the backend whose parity and speed were
-measured on the H200 machine (docs/benchmarks.md); flex's GPU run there used a mis-strided block mask
-(fixed since, not re-measured). Does not know transformers or models.
+`AUTO_ORDER`, the preference order per device type. On CUDA: FA3/FA4/aiter when installed (untested
+here), then `adaptive` (varlen or flex per row, whichever the H200 measurements in docs/benchmarks.md
+found faster for the row's sharing), then varlen, flex, cascade. Does not know transformers or models.
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ import torch
 
 from .._attention_backend import AttentionBackend
 from .._exceptions import BackendUnavailableError, UnsupportedModelError
+from .adaptive import AdaptiveBackend
 from .aiter import AiterBackend
 from .cascade import CascadeBackend
 from .fa3 import FA3Backend
@@ -28,6 +28,7 @@ BACKENDS: dict[str, AttentionBackend] = {
         FlexBackend(),
         VarlenBackend(),
         CascadeBackend(),
+        AdaptiveBackend(),
         FA3Backend(),
         FA4Backend(),
         AiterBackend(),
@@ -35,7 +36,7 @@ BACKENDS: dict[str, AttentionBackend] = {
 }
 
 AUTO_ORDER: dict[str, tuple[str, ...]] = {
-    "cuda": ("fa3", "fa4", "aiter", "varlen", "cascade", "flex", "reference"),
+    "cuda": ("fa3", "fa4", "aiter", "adaptive", "varlen", "flex", "cascade", "reference"),
     "cpu": ("reference",),
 }
 
