@@ -146,13 +146,19 @@ def decode_completion(
     if fast is not None:
         choice, token_ids, sampled, top_ids, top_logprobs = fast
         top = TopLogprobs(ids=top_ids, logprobs=_floor_to_inf(top_logprobs))
-        return TurnRecord(
-            prompt_ids=prompt_ids,
-            output_ids=token_ids,
-            output_log_probs=sampled,
-            output_sampler_logprobs=top,
-            finish_reason=choice.finish_reason,
-        )
+    else:
+        choice, token_ids, sampled, top = _decode_plain(raw, num_top, reference)
+    return TurnRecord(
+        prompt_ids=prompt_ids,
+        output_ids=token_ids,
+        output_log_probs=sampled,
+        output_sampler_logprobs=top,
+        finish_reason=choice.finish_reason,
+    )
+
+
+def _decode_plain(raw: bytes, num_top: int, reference: bool):
+    """The general path: msgspec for the envelope, `json`-style decoding of the top log-probs."""
     choice = _first_choice(_COMPLETION.decode(raw).choices, raw)
     token_ids = np.asarray(choice.token_ids, dtype=np.int64)
     if choice.logprobs is None or bytes(choice.logprobs.token_logprobs) == b"null":
@@ -164,13 +170,7 @@ def decode_completion(
     top = None
     if num_top > 0:
         top = TopLogprobs(ids=decoded[0], logprobs=_floor_to_inf(decoded[1]))
-    return TurnRecord(
-        prompt_ids=prompt_ids,
-        output_ids=token_ids,
-        output_log_probs=sampled,
-        output_sampler_logprobs=top,
-        finish_reason=choice.finish_reason,
-    )
+    return choice, token_ids, sampled, top
 
 
 def decode_generate(raw: bytes, prompt_ids: Sequence[int] | np.ndarray, num_top: int) -> TurnRecord:

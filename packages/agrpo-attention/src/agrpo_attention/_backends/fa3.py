@@ -15,7 +15,7 @@ import importlib.util
 import torch
 
 from .._tree_layout import TreeLayout
-from .path_gather import GatheredPathBackend
+from .path_gather import GatheredPathBackend, flash_varlen
 
 _HUB_REPO = "kernels-community/flash-attn3"
 
@@ -47,16 +47,4 @@ class FA3Backend(GatheredPathBackend):
         return None
 
     def _kernel(self, q, k, v, layout: TreeLayout, *, scaling, softcap):
-        out = _fa3_varlen()(
-            q,
-            k,
-            v,
-            cu_seqlens_q=layout.q_offsets,
-            cu_seqlens_k=layout.kv_offsets,
-            max_seqlen_q=layout.max_q,
-            max_seqlen_k=layout.max_k,
-            softmax_scale=scaling,
-            causal=True,
-            softcap=softcap or 0.0,
-        )
-        return out[0] if isinstance(out, tuple) else out
+        return flash_varlen(_fa3_varlen(), q, k, v, layout, scaling=scaling, softcap=softcap)

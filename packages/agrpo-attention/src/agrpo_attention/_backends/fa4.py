@@ -12,7 +12,7 @@ import importlib.util
 import torch
 
 from .._tree_layout import TreeLayout
-from .path_gather import GatheredPathBackend
+from .path_gather import GatheredPathBackend, flash_varlen
 
 
 class FA4Backend(GatheredPathBackend):
@@ -36,16 +36,4 @@ class FA4Backend(GatheredPathBackend):
     def _kernel(self, q, k, v, layout: TreeLayout, *, scaling, softcap):
         from flash_attn.cute import flash_attn_varlen_func
 
-        out = flash_attn_varlen_func(
-            q,
-            k,
-            v,
-            cu_seqlens_q=layout.q_offsets,
-            cu_seqlens_k=layout.kv_offsets,
-            max_seqlen_q=layout.max_q,
-            max_seqlen_k=layout.max_k,
-            softmax_scale=scaling,
-            causal=True,
-            softcap=softcap or 0.0,
-        )
-        return out[0] if isinstance(out, tuple) else out
+        return flash_varlen(flash_attn_varlen_func, q, k, v, layout, scaling=scaling, softcap=softcap)

@@ -27,6 +27,23 @@ def gather_paths(
     return k_nhd.index_select(0, layout.kv_index), v_nhd.index_select(0, layout.kv_index)
 
 
+def flash_varlen(kernel, q, k, v, layout: TreeLayout, *, scaling, softcap) -> torch.Tensor:
+    """Call a flash-attention-style `flash_attn_varlen_func` (FA3 and FA4 share the keyword signature)."""
+    out = kernel(
+        q,
+        k,
+        v,
+        cu_seqlens_q=layout.q_offsets,
+        cu_seqlens_k=layout.kv_offsets,
+        max_seqlen_q=layout.max_q,
+        max_seqlen_k=layout.max_k,
+        softmax_scale=scaling,
+        causal=True,
+        softcap=softcap or 0.0,
+    )
+    return out[0] if isinstance(out, tuple) else out  # some builds also return the log-sum-exp
+
+
 class GatheredPathBackend:
     """Gathers path K/V, then calls one varlen kernel; subclasses name it and implement `_kernel`."""
 
