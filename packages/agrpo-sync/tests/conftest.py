@@ -171,4 +171,5 @@ def stub_worker():
     server = worker.serve()
     worker.url = f"http://127.0.0.1:{server.server_port}"
     yield worker
+    worker.released.set()
     server.shutdown()

@@ -1,7 +1,8 @@
 """One trainer rank of the FSDP2 weight-sync test (run twice, as ranks 0 and 1, by test_weight_sync.py).
 
 Usage: python fsdp_sync_rank.py RANK DIST_PORT STUB_URL OUT_DIR. Shards the tiny Qwen3 with FSDP2 over
-gloo, syncs it once to the stub worker, then once more with a fault armed, and writes what each rank saw
+gloo, syncs it once to the stub worker, then with a fault that hits once (the re-send, in which both
+ranks gather again, succeeds), then with a fault that hits every attempt, and writes what each rank saw
 to OUT_DIR/rank<RANK>.json.
 """
 
@@ -46,12 +47,15 @@ def main() -> None:
         "has_backend": sync.backend is not None,
     }
     if rank == 0:
-        httpx.post(f"{url}/bench/fault", json={"fail_update_after_chunks": 1})
+        httpx.post(f"{url}/bench/fault", json={"fail_update_after_chunks": 1, "fail_update_times": 1})
+    result["second_retries"] = sync.sync(model, 2).retries
+    if rank == 0:
+        httpx.post(f"{url}/bench/fault", json={"fail_update_after_chunks": 1, "fail_update_times": None})
     try:
-        sync.sync(model, 2)
-        result["second"] = "ok"
+        sync.sync(model, 3)
+        result["third"] = "ok"
     except TransferFailedError as error:
-        result["second"] = str(error)
+        result["third"] = str(error)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()

@@ -1,5 +1,5 @@
 """The disk backend against the real CPU server: the server serves the new weights after a sync, and
-a failed sync leaves it resumed and serving the last good version.
+a failed sync leaves it resumed and serving the last good version, or paused when that cannot be restored.
 
 Tolerance: the server's prompt log-probs match the trainer model's within 1e-4 (both float32; measured
 about 5e-7), and a sync changes them by more than 0.05. The tied embedding is left unperturbed: a CPU
@@ -74,3 +74,25 @@ def test_a_failed_pause_sends_nothing(vllm_server, fault_proxy, tmp_path, tiny_m
         sync.sync(model, 1)
     assert "nothing was sent" in failure.value.server_state
     assert torch.allclose(logprobs.server(vllm_server.model_name), before, atol=TOLERANCE)
+
+
+def test_a_reload_that_cannot_be_undone_keeps_generation_paused_until_a_complete_sync(
+    vllm_server, fault_proxy, tmp_path, tiny_model, perturb, logprobs
+):
+    model = tiny_model()
+    sync = WeightSync.start(_config(fault_proxy.url, tmp_path), model)
+    perturb(model, 4)
+    fault_proxy.arm("/collective_rpc", "before")  # the reload fails, and so does reloading the last good dir
+    with pytest.raises(TransferFailedError, match="collective_rpc: HTTP 500") as failure:
+        sync.sync(model, 1)
+    assert failure.value.left_paused is True
+    assert "restoring the last good version failed too" in failure.value.server_state
+    assert "generation stays paused" in failure.value.server_state and "call sync() again" in str(
+        failure.value
+    )
+    control = ServerControl(vllm_server.url)
+    assert control.is_paused() is True
+    fault_proxy.faults.clear()
+    sync.sync(model, 1)  # what the error says to do: a complete sync resumes generation
+    assert control.is_paused() is False and control.weight_version() == "1"
+    assert torch.allclose(logprobs.server(vllm_server.model_name), logprobs.trainer(model), atol=TOLERANCE)

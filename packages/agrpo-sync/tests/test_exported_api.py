@@ -11,6 +11,7 @@ EXPORTED = [
     "NcclBackend",
     "NcclTransport",
     "ParamStream",
+    "Recovery",
     "ServerControl",
     "ServerInfo",
     "ServerRequestError",

@@ -57,7 +57,13 @@ class StubWorker:
         self.receive = True
         """False: a protocol-only stub with no NCCL rank (world size 0), for single-GPU overhead runs."""
         self.fail_update_after_chunks: int | None = None
+        self.fail_update_times: int | None = None
+        """How many updates the armed `fail_update_after_chunks` fault hits before it disarms (None: all)."""
         self.reject_update = False
+        self.reject_start = False
+        self.stall_update = False
+        """True: `/update_weights` hangs (as if blocked inside NCCL) until `released` is set."""
+        self.released = threading.Event()
         self.chunks_received = 0
 
     # -- weight transfer (the worker's half)
@@ -93,6 +99,9 @@ class StubWorker:
             raise WorkerError("start_weight_update must be called before update_weights")
         if self.reject_update:
             raise WorkerError("update_weights rejected before any chunk (injected)")
+        if self.stall_update:
+            self.released.wait()
+            raise WorkerError("update_weights stalled (injected), then released")
         names, dtypes, shapes = info["names"], info["dtype_names"], info["shapes"]
         if not len(names) == len(dtypes) == len(shapes):
             raise WorkerError("`dtype_names` and `shapes` should be of the same size as `names`")
@@ -137,7 +146,14 @@ class StubWorker:
             self.fail_update_after_chunks is not None
             and self.chunks_received >= self.fail_update_after_chunks
         ):
+            self._spend_fault()
             raise WorkerError(f"load_weights failed after chunk {self.chunks_received} (injected)")
+
+    def _spend_fault(self) -> None:
+        if self.fail_update_times is not None:
+            self.fail_update_times -= 1
+            if self.fail_update_times <= 0:
+                self.fail_update_after_chunks = self.fail_update_times = None
 
     def raw_receive(self, body: dict) -> dict:
         """Benchmark baseline: `repeats` times, meet at a barrier, then receive plain broadcasts of `sizes`."""
@@ -198,6 +214,8 @@ class StubWorker:
     def _start(self, query: dict, body: dict) -> dict:
         if self.state["started"]:
             raise WorkerError("start_weight_update called twice")
+        if self.reject_start:
+            raise WorkerError("start_weight_update rejected (injected)")
         self.state["started"] = True
         return {"message": "Weight update started"}
 

@@ -6,7 +6,7 @@ See the package README for the map of modules and what to read first.
 from importlib.metadata import PackageNotFoundError as _PackageNotFoundError
 from importlib.metadata import version as _version
 
-from ._backend import SyncBackend
+from ._backend import Recovery, SyncBackend
 from ._config import WeightSyncConfig
 from ._disk_backend import DiskBackend
 from ._exceptions import (
@@ -40,6 +40,7 @@ __all__ = [
     "NcclBackend",
     "NcclTransport",
     "ParamStream",
+    "Recovery",
     "ServerControl",
     "ServerInfo",
     "ServerRequestError",

@@ -3,11 +3,13 @@
 Owns the protocol between `WeightSync` (which pauses, times, resumes and keeps ranks in lockstep) and a
 backend (which moves one version of the weights). Every method here runs on the sending rank only;
 the other ranks just drain the same `ParamStream`. Does not know which backends exist: `_registry.py`
-holds the table, and adding a backend means adding a module and one line there.
+holds the table, and adding a backend means adding a module and one line there. Also owns `Recovery`,
+what a backend says it left behind after a failed send (and so whether generation may resume).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 import torch
@@ -16,6 +18,20 @@ from ._config import WeightSyncConfig
 from ._param_stream import ParamStream
 from ._server_control import ServerControl, ServerInfo
 from ._transport import ChunkTransport
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Recovery:
+    """What a failed send left on the server, as the backend's `recover` found it."""
+
+    state: str
+    """What the server serves now, one clause of the error the trainer sees."""
+    consistent: bool = True
+    """The server's weights are known to be one whole version (the last good one): generation may resume."""
+    resend: bool = False
+    """Sending every weight once more, within the same sync, can make the server consistent (it still answers)."""
+    fix: str = ""
+    """When not consistent: how to get the server back to one version (e.g. sync again, restart it)."""
 
 
 class SyncBackend(Protocol):
@@ -43,9 +59,9 @@ class SyncBackend(Protocol):
         """Push `stream` to the server as `version`; raise on any failure."""
         ...
 
-    def recover(self) -> str:
-        """After `send` raised: bring the server back to the last good version where possible, and
-        say what the server serves now (the sentence ends up in the error the trainer sees)."""
+    def recover(self) -> Recovery:
+        """After `send` raised: bring the server back to the last good version where possible, and say
+        what it serves now and whether that is one consistent version (`WeightSync` resumes only then)."""
         ...
 
     def served_model(self, version: int) -> str | None:

@@ -47,6 +47,11 @@ class BackgroundCall:
         """True once the call has finished with an exception."""
         return self._done.is_set() and self._error is not None
 
+    @property
+    def error(self) -> BaseException | None:
+        """The exception the call finished with (None while running or after a normal return)."""
+        return self._error if self._done.is_set() else None
+
     def wait(self, timeout_s: float) -> Any:
         """The call's result; re-raises its exception; `TimeoutError` if it is still running after `timeout_s`."""
         if not self._done.wait(timeout_s):

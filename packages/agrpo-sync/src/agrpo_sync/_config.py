@@ -72,7 +72,8 @@ class WeightSyncConfig:
     http_timeout_s: float = 60.0
     """Timeout of one control call (pause, start, finish, resume, adapter load), in seconds."""
     transfer_timeout_s: float = 1800.0
-    """Timeout of the calls that block on the transfer (NCCL init and update, disk reload), in seconds."""
+    """Timeout of the calls that block on the transfer (NCCL init and update, disk reload), in seconds. One
+    NCCL send (re-join, broadcasts, the server's load) is bounded by it as a whole; a re-send gets as much."""
     nccl_library: str = ""
     """Path of `libnccl.so.2`; empty finds the one of the `nvidia-nccl` wheel torch depends on."""
     device_index: int = -1

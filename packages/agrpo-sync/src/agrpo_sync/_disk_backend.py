@@ -3,8 +3,10 @@
 Owns the version directories (`<weights_dir>/v<version>/`, written by `_checkpoint_dir.py`), the reload
 (`POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}`), the version
 label (`/update_weight_version`), and recovery: after a failed reload the server is reloaded from the
-last good directory (at first, the directory the server was started from). Only the newest good
-version directory is kept. Does not know pausing or ranks.
+last good directory (at first, the directory the server was started from). When no such directory is
+known, or that reload fails too, the server's weights are not known to be one version and `recover`
+says so (`WeightSync` then keeps generation paused). Only the newest good version directory is kept.
+Does not know pausing or ranks.
 
 Works wherever both sides see the directory (a CPU server, a shared filesystem across machines). Cost:
 the weights go through host memory and the filesystem twice (write, then the server reads), so it is
@@ -20,6 +22,7 @@ from typing import ClassVar
 
 import torch
 
+from ._backend import Recovery
 from ._checkpoint_dir import write_checkpoint
 from ._config import WeightSyncConfig
 from ._param_stream import ParamStream
@@ -68,16 +71,23 @@ class DiskBackend:
         if previous is not None and Path(previous).parent == self.weights_dir and previous != self.last_good:
             shutil.rmtree(previous, ignore_errors=True)
 
-    def recover(self) -> str:
+    def recover(self) -> Recovery:
+        """Reload the last good directory; a failure of that reload propagates (`WeightSync` reports it)."""
         pending, self._pending = self._pending, None
         if pending is not None and str(pending) != self.last_good:
             shutil.rmtree(pending, ignore_errors=True)
         if not self._reload_sent:
-            return "the server was not asked to reload and serves the last good version"
+            return Recovery(state="the server was not asked to reload and serves the last good version")
         if self.last_good is None:
-            return "the server may serve partly reloaded weights: no earlier weights directory is known to reload"
+            return Recovery(
+                state="the server may serve partly reloaded weights: no earlier weights directory is known to reload",
+                consistent=False,
+                fix="call sync() again (a complete reload resumes generation), or restart the server",
+            )
         self.control.reload_weights(self.last_good)
-        return f"the server was reloaded from {self.last_good} and serves the last good version"
+        return Recovery(
+            state=f"the server was reloaded from {self.last_good} and serves the last good version"
+        )
 
     def served_model(self, version: int) -> str | None:
         return None

@@ -10,7 +10,7 @@ and name the fix; errors about something that went wrong while talking to the se
     └── WeightSyncError          a weight sync could not be completed
         ├── ServerRequestError   an HTTP call to the server failed (endpoint, status, body)
         ├── TransportError       the NCCL (or test) transport failed: library, rendezvous, collective
-        └── TransferFailedError  a transfer failed; says whether the server still serves the last good version
+        └── TransferFailedError  a transfer failed; says what the server serves and whether it was left paused
 """
 
 from __future__ import annotations
@@ -40,8 +40,10 @@ class TransportError(WeightSyncError):
 
 
 class TransferFailedError(WeightSyncError):
-    """A transfer failed. `server_state` says what the server serves now; `cause` is the underlying error."""
+    """A transfer failed. `server_state` says what the server serves now and, when `left_paused`, how to
+    resume it (generation stays paused rather than serve weights that mix two versions)."""
 
-    def __init__(self, message: str, *, server_state: str) -> None:
+    def __init__(self, message: str, *, server_state: str, left_paused: bool = False) -> None:
         self.server_state = server_state
+        self.left_paused = left_paused
         super().__init__(f"{message}; {server_state}")

@@ -22,6 +22,7 @@ from typing import ClassVar
 
 import torch
 
+from ._backend import Recovery
 from ._checkpoint_dir import write_checkpoint
 from ._config import WeightSyncConfig
 from ._exceptions import ServerRequestError, SyncSetupError, WeightSyncError
@@ -183,15 +184,16 @@ class LoraAdapterBackend:
         shutil.rmtree(self.path(version), ignore_errors=True)
         return True
 
-    def recover(self) -> str:
+    def recover(self) -> Recovery:
+        """A failed load leaves the registered versions as they were, each one whole: always consistent."""
         pending, self._pending = self._pending, None
         if pending is not None:
             shutil.rmtree(pending, ignore_errors=True)
         if not self.live:
-            return "no adapter version is registered; the server serves the base model"
+            return Recovery(state="no adapter version is registered; the server serves the base model")
         names = [adapter_name(self.lora_name, v) for v in self.live]
-        return (
-            f"the new adapter was not registered; {names} still serve, the last good version is {names[-1]}"
+        return Recovery(
+            state=f"the new adapter was not registered; {names} still serve, the last good version is {names[-1]}"
         )
 
     def served_model(self, version: int) -> str | None:

@@ -10,11 +10,14 @@ Owns the protocol sequence on the trainer side (rank 0 of the NCCL group):
 and what a failure leaves behind. Does not know pausing or ranks (`WeightSync`), the wire format
 (`_wire_format.py`) or NCCL itself (`ChunkTransport`).
 
-Failures: if the server rejects the update before any chunk was broadcast, `finish_weight_update` puts
-every layer's old tensors back (vLLM's layerwise reload restores layers that received nothing), so the
-server serves the last good version. Once chunks have been broadcast, the layers they carried are
-already replaced: the group is aborted, and the next sync re-joins with a fresh unique id and re-sends
-everything. A server stuck inside an NCCL call can only be restarted; the error says which case it was.
+Failures (`recover`): if the server rejects the update before any chunk was broadcast,
+`finish_weight_update` puts every layer's old tensors back (vLLM's layerwise reload restores layers
+that received nothing), so the server serves the last good version. Once chunks have been broadcast,
+the layers they carried are already replaced: the group is aborted, the update is finished without a
+version label, and the server's layers mix two versions (`mixed`) until a complete send; `recover`
+says so with `resend=True`, and `WeightSync` re-sends at once (the next `send` re-joins with a fresh
+unique id). A server whose `/update_weights` never answered may be stuck inside NCCL: only a restart
+clears it, and `recover` says so. Each `send` is bounded as a whole by `transfer_timeout_s`.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import ClassVar
 
 import torch
 
+from ._backend import Recovery
 from ._background_call import BackgroundCall
 from ._config import WeightSyncConfig
 from ._exceptions import ServerRequestError, TransportError
@@ -50,6 +54,12 @@ def _wait_both(server: BackgroundCall, local: BackgroundCall, timeout_s: float) 
     local.wait(0)
 
 
+RESEND_FIX = (
+    "call sync() again (it re-joins NCCL, re-sends every weight and resumes generation once all arrived), "
+    "or restart the server"
+)
+
+
 class NcclBackend:
     """Sends full weights as packed uint8 chunks over NCCL to every worker of one vLLM server."""
 
@@ -66,10 +76,14 @@ class NcclBackend:
         self.num_buffers = config.packed_num_buffers
         self.timeout_s = config.transfer_timeout_s
         self.connected = False
+        self.mixed = False
+        """True while the server's layers may mix two versions: chunks went out in a failed attempt and no
+        complete send has finished since."""
         self.chunks_sent = 0
         self.num_chunks = 0
         self._started = False
         self._update: BackgroundCall | None = None
+        self._deadline: float | None = None
 
     @classmethod
     def from_config(cls, config: WeightSyncConfig, control: ServerControl, transport: ChunkTransport | None):
@@ -103,7 +117,7 @@ class NcclBackend:
             self.transport.connect, unique_id, 0, world_size, name="agrpo-sync-nccl-join"
         ).start()
         try:
-            _wait_both(server, local, self.timeout_s)
+            _wait_both(server, local, self._remaining())
         except ServerRequestError as error:
             raise TransportError(
                 f"the server did not join the NCCL group ({error}); it needs a GPU, VLLM_SERVER_DEV_MODE=1 and "
@@ -111,10 +125,17 @@ class NcclBackend:
             ) from error
         self.connected = True
 
+    def _remaining(self) -> float:
+        """Seconds left of the current send's `transfer_timeout_s` (all of it outside a send)."""
+        if self._deadline is None:
+            return self.timeout_s
+        return max(0.0, self._deadline - time.monotonic())
+
     def send(self, stream: ParamStream, version: int) -> None:
         metas = stream.metadata()
         plans = plan_chunks(metas, self.buffer_size_bytes)
         self.chunks_sent, self.num_chunks, self._update = 0, len(plans), None
+        self._deadline = time.monotonic() + self.timeout_s
         if not self.connected:
             self._reconnect()
         self.control.start_weight_update()
@@ -125,14 +146,15 @@ class NcclBackend:
         self._update.start()
         try:
             self._broadcast(stream, metas, plans, self._update)
-            self.transport.synchronize(self._update.failed, self.timeout_s)
+            self.transport.synchronize(self._update.failed, self._remaining())
         except RuntimeError:
             if self._update.join(1.0) and self._update.failed():
                 self._update.wait(0)  # the server's own error says more than the transport's
             raise
-        self._update.wait(self.timeout_s)
+        self._update.wait(self._remaining())
         self.control.finish_weight_update(str(version))
         self._started = False
+        self.mixed = False
 
     def _broadcast(
         self, stream: ParamStream, metas: list[TensorMeta], plans: list[ChunkPlan], update: BackgroundCall
@@ -140,7 +162,7 @@ class NcclBackend:
         in_flight: list[object] = [None] * self.num_buffers
         for index, tensors in enumerate(chunk_tensors(stream, metas, plans)):
             slot = index % self.num_buffers
-            self.transport.wait_slot(slot, update.failed, self.timeout_s)
+            self.transport.wait_slot(slot, update.failed, self._remaining())
             in_flight[slot] = None  # the chunk that used this slot has landed; free it
             if update.failed():
                 update.wait(0)
@@ -155,26 +177,49 @@ class NcclBackend:
         self.control.shutdown_weight_transfer()
         self.connect()
 
-    def recover(self) -> str:
-        update_done = self._update is None or self._update.done()
-        if self.chunks_sent == 0 and update_done:  # neither side entered a collective: the group is intact
-            if self._started:
-                self.control.finish_weight_update(None)
-                self._started = False
-            return "the server serves the last good version (no weight had been sent)"
-        self.transport.abort()
-        self.connected = False
-        if not update_done:
-            return (
-                f"{self.chunks_sent} of {self.num_chunks} chunks were sent and the server has not answered; it may "
-                "be blocked inside NCCL: restart the server"
-            )
+    def _finish_unlabelled(self) -> None:
+        """End an open update without a version label (the server restores layers that received nothing)."""
         if self._started:
             self.control.finish_weight_update(None)
             self._started = False
-        return (
-            f"{self.chunks_sent} of {self.num_chunks} chunks were sent before the failure: the server's layers may "
-            "mix the last good and the new version until the next sync, which re-joins NCCL and re-sends every weight"
+
+    def _update_answered(self) -> bool:
+        """Whether the server answered `/update_weights` (any status): then it is not stuck inside NCCL. A
+        client-side timeout or a dropped connection is no answer."""
+        if self._update is None:
+            return True
+        error = self._update.error
+        return self._update.done() and not (isinstance(error, ServerRequestError) and error.status is None)
+
+    def recover(self) -> Recovery:
+        update_done = self._update_answered()
+        if self.chunks_sent == 0 and update_done:  # neither side entered a collective: the group is intact
+            self._finish_unlabelled()
+            if not self.mixed:
+                return Recovery(state="the server serves the last good version (no weight had been sent)")
+            return Recovery(
+                state="no weight was sent, and an earlier failed attempt left the server's layers mixing two versions",
+                consistent=False,
+                resend=True,
+                fix=RESEND_FIX,
+            )
+        self.transport.abort()
+        self.connected = False
+        self.mixed = True
+        sent = f"{self.chunks_sent} of {self.num_chunks} chunks were sent"
+        if not update_done:
+            return Recovery(
+                state=f"{sent} and the server has not answered /update_weights: it may be blocked inside NCCL, "
+                "and its layers may mix the last good and the new version",
+                consistent=False,
+                fix="restart the server (one blocked inside NCCL answers neither a new sync nor /resume)",
+            )
+        self._finish_unlabelled()
+        return Recovery(
+            state=f"{sent} before the failure, so the server's layers mix the last good and the new version",
+            consistent=False,
+            resend=True,
+            fix=RESEND_FIX,
         )
 
     def served_model(self, version: int) -> str | None:

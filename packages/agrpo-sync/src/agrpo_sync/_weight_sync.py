@@ -7,9 +7,14 @@ bucketed FSDP2 gather), resume, and time the parts as `perf/weight_sync_s`, `_pa
 PEFT model, adapter-only when the server can serve it and `lora_sync` allows, merged otherwise) and the
 start-up checks. Does not know the wire format, HTTP details or how each backend moves bytes.
 
-Failures are loud and safe: whatever fails during a sync, the backend restores the last good version
-where it can, generation is resumed, and every rank raises `TransferFailedError` saying what happened
-and what the server serves now (rank 0 shares the outcome, so no rank waits forever on the others).
+Failures are loud and safe, and generation resumes only on weights known to be one version. When a
+send fails, the backend restores the last good version where it can (`Recovery`). If it could not but
+the server still answers (NCCL chunks went out, then the server failed), every weight is sent once more
+within the same sync (every rank joins the new gathers) and, on success, the sync returns normally with
+`perf/weight_sync_retries` = 1 after a warning naming the first failure. Otherwise every rank raises
+`TransferFailedError` saying what happened and what the server serves; if its weights may mix two
+versions, generation stays paused and the error says how to resume (sync again, or restart the server).
+Rank 0 shares each outcome, so no rank waits forever on the others.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._backend import SyncBackend
+from ._backend import Recovery, SyncBackend
 from ._config import WeightSyncConfig
 from ._exceptions import ServerRequestError, SyncSetupError, TransferFailedError, WeightSyncError
 from ._lora_backend import adapter_problems, check_adapter_server, lora_config_of
@@ -36,6 +41,14 @@ logger = logging.getLogger("agrpo_sync")
 
 # What a failed transfer can raise (torch errors, including CUDA OOM, are RuntimeErrors; I/O is OSError).
 _TRANSFER_ERRORS = (RuntimeError, OSError, ValueError)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Failure:
+    """One failed attempt as rank 0 saw it (shared with every rank): what failed and what it left behind."""
+
+    message: str
+    recovery: Recovery
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -53,6 +66,8 @@ class SyncTimings:
     peak_gather_bytes: int
     """Largest bucket of full tensors this rank held at once, in bytes (bounded by `gather_bucket_bytes`
     unless one tensor is larger)."""
+    retries: int = 0
+    """Complete re-sends after a failed attempt left the server's weights mixed (0 or 1)."""
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -60,6 +75,7 @@ class SyncTimings:
             "perf/weight_sync_pause_s": self.pause_s,
             "perf/weight_sync_barrier_s": self.barrier_s,
             "perf/weight_sync_transfer_s": self.transfer_s,
+            "perf/weight_sync_retries": float(self.retries),
         }
 
 
@@ -126,6 +142,8 @@ class WeightSync:
         self.control = control
         self.rank = rank
         self.world_size = world_size
+        self._bytes_sent = 0
+        self._peak_gather_bytes = 0
 
     @property
     def is_sender(self) -> bool:
@@ -202,63 +220,118 @@ class WeightSync:
     def sync(self, model: torch.nn.Module, version: int) -> SyncTimings:
         """Push `model`'s weights as `version`; call on every rank. Raises `TransferFailedError` on failure."""
         begin = time.perf_counter()
-        stream = self.param_stream(model)
         paused, failure = self._pause()
-        paused_at = time.perf_counter()
+        paused_at = lined_up_at = time.perf_counter()
+        resume = paused  # until something is sent, the server holds the last good version
         try:
             if self.world_size > 1:
                 dist.barrier()
             lined_up_at = time.perf_counter()
-            if self.is_sender and failure is None:
-                failure = self._send(stream, version)
-            else:
-                stream.drain()
+            resume = False  # from here on, only weights known to be one version are served
+            failure, retries = self._transfer(model, version, failure)
+            resume = paused and (failure is None or failure.recovery.consistent)
             sent_at = time.perf_counter()
+        except BaseException as error:
+            if paused and not resume:
+                error.add_note(
+                    f"agrpo-sync left the server paused: its weights may mix two versions. Call sync() again, "
+                    f"or restart the server (POST {self.config.base_url}/resume resumes it as it is)"
+                )
+            raise
         finally:
-            if paused:
+            if resume:
                 self.control.resume()
-        failure = self._share(failure, self.world_size)
         if failure is not None:
-            message, state = failure
-            raise TransferFailedError(
-                f"weight sync to version {version} failed: {message}", server_state=state
-            )
+            raise self._error(failure, version)
         return SyncTimings(
             weight_sync_s=time.perf_counter() - begin,
             pause_s=paused_at - begin,
             barrier_s=lined_up_at - paused_at,
             transfer_s=sent_at - lined_up_at,
-            num_bytes=stream.nbytes if self.is_sender else 0,
-            peak_gather_bytes=stream.peak_bucket_bytes,
+            num_bytes=self._bytes_sent,
+            peak_gather_bytes=self._peak_gather_bytes,
+            retries=retries,
         )
 
-    def _pause(self) -> tuple[bool, tuple[str, str] | None]:
+    def _transfer(
+        self, model: torch.nn.Module, version: int, failure: _Failure | None
+    ) -> tuple[_Failure | None, int]:
+        """Send (every rank joins the gathers); once more if the first attempt left the server mixed but
+        answering. Returns the shared outcome and the number of re-sends."""
+        self._bytes_sent, self._peak_gather_bytes = 0, 0
+        failure = self._share(self._attempt(model, version, failure), self.world_size)
+        if failure is None or not failure.recovery.resend:
+            return failure, 0
+        if self.is_sender:
+            logger.warning(
+                "weight sync to version %d failed: %s; %s; re-joining and re-sending every weight once",
+                version,
+                failure.message,
+                failure.recovery.state,
+            )
+        retry = self._share(self._attempt(model, version, None), self.world_size)
+        if retry is None:
+            return None, 1
+        return _Failure(
+            message=f"{failure.message}; the retry failed too: {retry.message}", recovery=retry.recovery
+        ), 1
+
+    def _attempt(self, model: torch.nn.Module, version: int, failure: _Failure | None) -> _Failure | None:
+        """One pass over a fresh stream: rank 0 sends it (unless `failure` already stopped it), others drain."""
+        stream = self.param_stream(model)
+        if self.is_sender and failure is None:
+            failure = self._send(stream, version)
+            self._bytes_sent = stream.nbytes
+        else:
+            stream.drain()
+        self._peak_gather_bytes = max(self._peak_gather_bytes, stream.peak_bucket_bytes)
+        return failure
+
+    def _error(self, failure: _Failure, version: int) -> TransferFailedError:
+        """The error every rank raises; says how to resume when generation stays paused."""
+        recovery = failure.recovery
+        held = BACKENDS[self.backend_name].pauses and not recovery.consistent
+        state = recovery.state
+        if held:
+            state += (
+                f"; generation stays paused so that mixed weights are not served. To resume: {recovery.fix} "
+                f"(POST {self.config.base_url}/resume resumes it as it is, mixed weights included)"
+            )
+        return TransferFailedError(
+            f"weight sync to version {version} failed: {failure.message}",
+            server_state=state,
+            left_paused=held,
+        )
+
+    def _pause(self) -> tuple[bool, _Failure | None]:
         """Pause generation if this rank sends and the backend needs it: (paused, failure)."""
         if not (self.is_sender and BACKENDS[self.backend_name].pauses):
             return False, None
         try:
             self.control.pause(self.config.pause_mode, self.config.pause_clear_cache)
         except ServerRequestError as error:
-            return False, (
-                f"pause failed: {error}",
-                "nothing was sent; the server serves the last good version",
-            )
+            state = "nothing was sent; the server serves the last good version"
+            return False, _Failure(message=f"pause failed: {error}", recovery=Recovery(state=state))
         return True, None
 
-    def _send(self, stream: ParamStream, version: int) -> tuple[str, str] | None:
-        """Send; on failure recover, finish the other ranks' gathers, and return (what failed, server state)."""
+    def _send(self, stream: ParamStream, version: int) -> _Failure | None:
+        """Send; on failure recover, finish the other ranks' gathers, and say what failed and what is left."""
         try:
             self.backend.send(stream, version)
             return None
         except _TRANSFER_ERRORS as error:
-            logger.exception("weight sync to version %d failed", version)
+            logger.warning("weight sync to version %d: the transfer failed", version, exc_info=True)
             message = f"{type(error).__name__}: {error}"
         try:
-            state = self.backend.recover()
+            recovery = self.backend.recover()
         except _TRANSFER_ERRORS as error:
-            state = f"restoring the last good version failed too ({type(error).__name__}: {error})"
+            recovery = Recovery(
+                state=f"restoring the last good version failed too ({type(error).__name__}: {error})",
+                consistent=False,
+                fix="call sync() again (a complete send resumes generation), or restart the server",
+            )
         stream.drain()
-        return message, state
+        return _Failure(message=message, recovery=recovery)
 
     def served_model(self, version: int) -> str | None:
         """The `model` name requests under `version` use: an adapter name, or None for the base model."""
