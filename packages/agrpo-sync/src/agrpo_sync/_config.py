@@ -39,7 +39,7 @@ class WeightSyncConfig:
     """How the trainer pushes its weights to one vLLM server."""
 
     base_url: str
-    """The server's root URL, e.g. `http://10.0.0.2:8000` (started with `VLLM_SERVER_DEV_MODE=1`)."""
+    """The server's root URL, e.g. `http://127.0.0.1:8000` (started with `VLLM_SERVER_DEV_MODE=1`)."""
     output_dir: str
     """The run's output directory; LoRA adapter versions go under `<output_dir>/.vllm_lora/`."""
     backend: str = "nccl"
