@@ -2,17 +2,47 @@
 
 The server is started once per test session (start-up takes 25-90 s on 2 cores) and every test that
 needs a generation server uses it. Tests that change the server's weights or adapters restore them
-before they return, so test order never matters.
+before they return, so test order never matters. `readme_example` runs a package README's example
+the way a reader would, so every README's example is also a test.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from tools.dev_server import VLLMServer
 from tools.tiny_models import TinyModelSpec, build_tokenizer, save_tiny_model
+
+
+@dataclass(frozen=True, slots=True)
+class ReadmeRun:
+    """What running a README's example left behind: its printed lines and its global names."""
+
+    stdout: str
+    names: dict
+
+
+def run_readme_example(readme: Path) -> ReadmeRun:
+    """Run the first Python block under the README's `## Example` heading, as a reader would paste it."""
+    code = re.search(r"## Example.*?```python\n(.*?)```", readme.read_text(), re.DOTALL).group(1)
+    names: dict = {"__name__": "readme"}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, str(readme), "exec"), names)
+    return ReadmeRun(stdout=out.getvalue(), names=names)
+
+
+@pytest.fixture
+def readme_example(request) -> ReadmeRun:
+    """The example of the README of the package whose test asks for it."""
+    return run_readme_example(Path(request.path).resolve().parents[1] / "README.md")
+
 
 SERVER_MAX_LORAS = 4
 SERVER_MAX_LORA_RANK = 8
