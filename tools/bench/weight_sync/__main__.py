@@ -155,12 +155,15 @@ def bench_lora(args, model, url, out_dir: str) -> dict:
     peft_model = get_peft_model(
         model, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules=LORA_TARGETS)
     )
-    config = WeightSyncConfig(base_url=url, output_dir=out_dir, lora_sync="adapter", max_staleness=4)
+    config = WeightSyncConfig(
+        base_url=url, output_dir=out_dir, lora_sync="adapter", max_staleness=4, transfer_dtype=args.lora_dtype
+    )
     sync = WeightSync.start(config, peft_model)
     timings = [sync.sync(peft_model, version) for version in range(1, args.iters + 1)]
     sync.close()
     return {
         "rank": args.lora_rank,
+        "dtype": args.lora_dtype or "float32",
         "bytes": timings[0].num_bytes,
         "sync_s": statistics.median(t.weight_sync_s for t in timings),
         "sync_max_s": max(t.weight_sync_s for t in timings),
@@ -192,7 +195,7 @@ def report(results: dict) -> None:
     ]
     if lora:
         lines.append(
-            f"LoRA r={lora['rank']} adapter sync (all linear layers, {lora['bytes'] / 1e6:.0f} MB): median "
+            f"LoRA r={lora['rank']} adapter sync (all linear layers, {lora['dtype']}, {lora['bytes'] / 1e6:.0f} MB): median "
             f"{lora['sync_s'] * 1e3:.0f} ms, max {lora['sync_max_s'] * 1e3:.0f} ms"
         )
     print("\n".join(lines), flush=True)
@@ -206,6 +209,9 @@ def main() -> None:
     parser.add_argument("--buffer-mib", type=int, default=1024, help="packed_buffer_size_bytes, in MiB")
     parser.add_argument("--num-buffers", type=int, default=2)
     parser.add_argument("--lora-rank", type=int, default=32, help="0 skips the adapter benchmark")
+    parser.add_argument(
+        "--lora-dtype", default="", help="adapter file dtype (transfer_dtype); empty: as PEFT keeps it (float32)"
+    )
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument(
         "--single-gpu", action="store_true",

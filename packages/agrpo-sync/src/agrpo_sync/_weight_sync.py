@@ -220,6 +220,7 @@ class WeightSync:
     def sync(self, model: torch.nn.Module, version: int) -> SyncTimings:
         """Push `model`'s weights as `version`; call on every rank. Raises `TransferFailedError` on failure."""
         begin = time.perf_counter()
+        stream = self.param_stream(model)  # walking the parameters happens before generation pauses
         paused, failure = self._pause()
         paused_at = lined_up_at = time.perf_counter()
         resume = paused  # until something is sent, the server holds the last good version
@@ -228,7 +229,7 @@ class WeightSync:
                 dist.barrier()
             lined_up_at = time.perf_counter()
             resume = False  # from here on, only weights known to be one version are served
-            failure, retries = self._transfer(model, version, failure)
+            failure, retries = self._transfer(model, stream, version, failure)
             resume = paused and (failure is None or failure.recovery.consistent)
             sent_at = time.perf_counter()
         except BaseException as error:
@@ -254,12 +255,12 @@ class WeightSync:
         )
 
     def _transfer(
-        self, model: torch.nn.Module, version: int, failure: _Failure | None
+        self, model: torch.nn.Module, stream: ParamStream, version: int, failure: _Failure | None
     ) -> tuple[_Failure | None, int]:
         """Send (every rank joins the gathers); once more if the first attempt left the server mixed but
         answering. Returns the shared outcome and the number of re-sends."""
         self._bytes_sent, self._peak_gather_bytes = 0, 0
-        failure = self._share(self._attempt(model, version, failure), self.world_size)
+        failure = self._share(self._attempt(stream, version, failure), self.world_size)
         if failure is None or not failure.recovery.resend:
             return failure, 0
         if self.is_sender:
@@ -269,16 +270,15 @@ class WeightSync:
                 failure.message,
                 failure.recovery.state,
             )
-        retry = self._share(self._attempt(model, version, None), self.world_size)
+        retry = self._share(self._attempt(self.param_stream(model), version, None), self.world_size)
         if retry is None:
             return None, 1
         return _Failure(
             message=f"{failure.message}; the retry failed too: {retry.message}", recovery=retry.recovery
         ), 1
 
-    def _attempt(self, model: torch.nn.Module, version: int, failure: _Failure | None) -> _Failure | None:
+    def _attempt(self, stream: ParamStream, version: int, failure: _Failure | None) -> _Failure | None:
         """One pass over a fresh stream: rank 0 sends it (unless `failure` already stopped it), others drain."""
-        stream = self.param_stream(model)
         if self.is_sender and failure is None:
             failure = self._send(stream, version)
             self._bytes_sent = stream.nbytes
