@@ -1,15 +1,11 @@
 #!/usr/bin/env bash
 # The H200 run recorded in docs/benchmarks.md ("Tree attention"): parity, then the benchmark, two GPUs in
 # parallel, every step under its own time limit; logs and JSON go to $OUT (default ./out).
-# No uv there: fake dist-info folders let importlib.metadata find our packages' versions under PYTHONPATH.
+# No uv there: the packages run from the source tree on PYTHONPATH (their __version__ reads "0+source").
 set -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-for p in agrpo-attention agrpo-packing; do
-  d=/tmp/site/${p//-/_}-0.0.0.dist-info; mkdir -p "$d"
-  printf 'Metadata-Version: 2.1\nName: %s\nVersion: 0.0.0\n' "$p" >"$d/METADATA"
-done
-export PYTHONPATH=packages/agrpo-packing/src:packages/agrpo-attention/src:.:/tmp/site
+export PYTHONPATH=packages/agrpo-packing/src:packages/agrpo-attention/src:.
 bench="python3 -m tools.bench.tree_attention"
 (
   export CUDA_VISIBLE_DEVICES=0

@@ -3,6 +3,7 @@
 See the package README for the map of modules and what to read first.
 """
 
+from importlib.metadata import PackageNotFoundError as _PackageNotFoundError
 from importlib.metadata import version as _version
 
 from ._backends import available_backends
@@ -16,7 +17,10 @@ from ._model_patch import enable_tree_attention
 from ._token_logprobs import gathered_logprobs, token_logprobs
 from ._tree_plan import TreePlan, build_tree_plan
 
-__version__ = _version("agrpo-attention")
+try:
+    __version__ = _version("agrpo-attention")
+except _PackageNotFoundError:  # run from a source tree on PYTHONPATH (e.g. the GPU machine), not installed
+    __version__ = "0+source"
 
 __all__ = [
     "BackendUnavailableError",

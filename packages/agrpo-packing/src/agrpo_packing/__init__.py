@@ -5,6 +5,7 @@ strategy, seeded GRPO data, the packed-equals-alone assertion) live in the publi
 `agrpo_packing.testing`.
 """
 
+from importlib.metadata import PackageNotFoundError as _PackageNotFoundError
 from importlib.metadata import version as _version
 
 from ._exceptions import PackingError, RowFullError
@@ -16,7 +17,10 @@ from ._row_reference import UnpackedSample, reference_logprobs, token_path, unpa
 from ._sample import PackSample
 from ._tree_row import TreeRow
 
-__version__ = _version("agrpo-packing")
+try:
+    __version__ = _version("agrpo-packing")
+except _PackageNotFoundError:  # run from a source tree on PYTHONPATH (e.g. the GPU machine), not installed
+    __version__ = "0+source"
 
 __all__ = [
     "MicroBatch",

@@ -1,5 +1,6 @@
 """agrpo-rollout: see the package README for the map of modules and what to read first."""
 
+from importlib.metadata import PackageNotFoundError as _PackageNotFoundError
 from importlib.metadata import version as _version
 
 from ._assistant_message import AssistantMessage
@@ -27,7 +28,10 @@ from ._server_load import ServerLoad
 from ._toolbox import Toolbox, ToolOutcome
 from ._turn import TopLogprobs, TurnRecord
 
-__version__ = _version("agrpo-rollout")
+try:
+    __version__ = _version("agrpo-rollout")
+except _PackageNotFoundError:  # run from a source tree on PYTHONPATH (e.g. the GPU machine), not installed
+    __version__ = "0+source"
 
 __all__ = [
     "AssistantMessage",
