@@ -43,12 +43,7 @@ def test_reference_equals_dense_masked_attention_with_gradients(trees, seed, sof
     plan = build_tree_plan(row, backend="reference")
     out = plan.attend(q, k, v, scaling=0.3, softcap=softcap)
     expected = dense_attention(q, k, v, trees.visibility_from_paths(row), 0.3, softcap)
-    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
-    weights = torch.randn_like(out)
-    grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
-    expected_grads = torch.autograd.grad((expected * weights).sum(), (q, k, v))
-    for got, want in zip(grads, expected_grads, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    _assert_same_outputs_and_grads(out, expected, (q, k, v), grad_atol=1e-12)
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -60,6 +55,16 @@ def test_flex_forward_equals_reference_on_cpu(trees, softcap):
     with torch.no_grad():
         got = build_tree_plan(row, backend="flex").attend(q, k, v, softcap=softcap)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _assert_same_outputs_and_grads(out, expected, inputs, *, grad_atol: float) -> None:
+    """fp64 outputs agree to 1e-12 and so do the gradients of a random projection w.r.t. `inputs`."""
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    weights = torch.randn_like(out)
+    grads = torch.autograd.grad((out * weights).sum(), inputs)
+    expected_grads = torch.autograd.grad((expected * weights).sum(), inputs)
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=grad_atol)
 
 
 def test_auto_on_cpu_is_reference_and_gpu_backends_refuse_clearly():
@@ -126,12 +131,7 @@ def test_cascade_split_and_merge_equal_reference_with_gradients(trees, seed, sha
     assert (state.cross_q_index is None) == (not share)
     out = cascade_attention(q, k, v, layout, state, scaling=0.3)
     expected = build_tree_plan(row, backend="reference").attend(q, k, v, scaling=0.3)
-    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
-    weights = torch.randn_like(out)
-    grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
-    expected_grads = torch.autograd.grad((expected * weights).sum(), (q, k, v))
-    for got, want in zip(grads, expected_grads, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-11)
+    _assert_same_outputs_and_grads(out, expected, (q, k, v), grad_atol=1e-11)
 
 
 def test_cascade_refuses_cpu_clearly():
