@@ -1,4 +1,3 @@
-
 """`AsyncRolloutLoop` end to end against the real CPU vLLM server.
 
 A random tiny model never emits a well-formed tool call, so the tool tests use `ScriptedToolLoop`:
@@ -146,12 +145,16 @@ def test_prompts_longer_than_the_context_are_counted_named_and_dropped(server_co
     assert not next(g for g in groups if g.row_index == 0).kept
 
 
-def test_multi_turn_tool_conversation(server_config, tool_tokenizer):
+def _add_tool_loop(loop_cls, config, tokenizer):
+    """One prompt asking for the `add` tool, one epoch, scored by length."""
     dataset = [{"prompt": _chat("Add 2 and 3 with the tool.")}]
-    loop = ScriptedToolLoop(
-        server_config(max_completion_length=60), tokenizer=tool_tokenizer, dataset=dataset,
-        reward_funcs=length_reward, tools=[add], max_epochs=1,
-    )  # fmt: skip
+    return loop_cls(
+        config, tokenizer=tokenizer, dataset=dataset, reward_funcs=length_reward, tools=[add], max_epochs=1
+    )
+
+
+def test_multi_turn_tool_conversation(server_config, tool_tokenizer):
+    loop = _add_tool_loop(ScriptedToolLoop, server_config(max_completion_length=60), tool_tokenizer)
     samples, groups, metrics = _run(loop)
     group = groups[0].group
     for rollout, sequences in zip(group.rollouts, group.completions_sequences, strict=True):
@@ -179,11 +182,7 @@ def test_multi_turn_tool_conversation(server_config, tool_tokenizer):
 
 
 def test_history_rewriting_template_forks(server_config, rewrite_tokenizer):
-    dataset = [{"prompt": _chat("Add 2 and 3 with the tool.")}]
-    loop = ThinkingToolLoop(
-        server_config(max_completion_length=80), tokenizer=rewrite_tokenizer, dataset=dataset,
-        reward_funcs=length_reward, tools=[add], max_epochs=1,
-    )  # fmt: skip
+    loop = _add_tool_loop(ThinkingToolLoop, server_config(max_completion_length=80), rewrite_tokenizer)
     _, groups, metrics = _run(loop)
     group = groups[0].group
     for rollout, sequences in zip(group.rollouts, group.completions_sequences, strict=True):
