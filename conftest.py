@@ -85,3 +85,20 @@ def vllm_server(tiny_qwen3_dir):
     )  # fmt: skip
     with server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def untied_qwen3_dir(tmp_path_factory) -> Path:
+    """A tiny dense Qwen3-style model whose LM head has its own weights: training reaches every parameter of a
+    CPU server (vLLM's CPU backend never refreshes a tied head on reload)."""
+    return save_tiny_model(
+        tmp_path_factory.mktemp("tiny-qwen3-untied"), TinyModelSpec(kind="qwen3", tie_word_embeddings=False)
+    )
+
+
+@pytest.fixture(scope="session")
+def training_server(untied_qwen3_dir):
+    """One real CPU vLLM server for the trainer's tests, serving `untied_qwen3_dir`; tests that train on it
+    push weights, so each starts by pushing its own (the trainer's first sync)."""
+    with VLLMServer(model_dir=untied_qwen3_dir, max_model_len=1024) as server:
+        yield server

@@ -8,7 +8,7 @@ rollout, packing or attention shows up here as a large error.
 
 from __future__ import annotations
 
-from tools.demo import run_smoke
+from tools.smoke import run_smoke
 
 # vLLM's CPU kernels and transformers' eager float32 forward differ by rounding only (seen: ~1e-6).
 LOGPROB_TOLERANCE = 1e-4

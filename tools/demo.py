@@ -1,126 +1,91 @@
-"""The main job on the embedded default: rollouts → samples → prefix-tree rows → exact log-probs.
+"""The main job on the embedded default: a short asynchronous GRPO run of a tiny model against a local CPU vLLM server.
 
-Until the trainer exists (a later issue turns this into the async GRPO demo), this runs every library
-of the workspace end to end against a real local CPU vLLM server: agrpo-rollout generates GRPO groups
-for embedded arithmetic prompts and scores them; each sample converts to an agrpo-packing `PackSample`;
-the planner packs groups into prefix-tree rows; agrpo-attention forwards each row once through the
-same tiny model with tree attention and recovers every trained token's log-prob, which must equal the
-sampler's (both run the same float32 weights). Does not train: there is no loss or optimizer yet.
+A tiny random Qwen3-style model (untied LM head, so every weight reaches the CPU server) learns to write
+digits: the reward is the share of digit characters in its answer (`CharacterFractionReward`), which a random
+model scores ~0.02 on. `AsyncGRPOTrainer` spawns the rollout process, trains on prefix-packed rows, and pushes
+weights to the server through the disk backend after every optimizer step, checking after each push that the
+server scores a fixed probe exactly as the trainer does (`sync/logprob_max_abs_diff`). A live bar shows reward,
+KL to the sampler and tokens/s; `<output_dir>/summary.png` plots them at the end.
 
-Run: `uv run python -m tools.demo` (about a minute for the server, seconds for the rest).
+Run: `uv run python -m tools.demo` (about a minute for the server, then ~3 minutes of training on 2 cores).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import logging
 import tempfile
-from dataclasses import dataclass
+import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from agrpo_attention import enable_tree_attention, token_logprobs
-from agrpo_packing import PackingConfig, PackSample, Planner
-from agrpo_rollout import AsyncRolloutLoop, RolloutConfig, RolloutSample
+from agrpo_trainer import AsyncGRPOConfig, AsyncGRPOTrainer
+from agrpo_trainer.rewards import CharacterFractionReward
 from tools.dev_server import VLLMServer
-from tools.tiny_models import save_tiny_model
+from tools.tiny_models import TinyModelSpec, save_tiny_model
 
-PROMPTS = [f"What is {a} + {b}? Answer with a number." for a, b in [(2, 3), (17, 25), (40, 2), (7, 8)]]
-
-
-def digit_fraction(completions, **columns) -> list[float]:
-    """A smoke reward that varies even for a random model: the share of digits in the answer."""
-    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-    return [sum(ch.isdigit() for ch in t) / max(len(t), 1) for t in texts]
+TOPICS = ["apples", "rivers", "trains", "clocks", "maps", "stars", "bridges", "songs"]
+PROMPTS = [{"prompt": [{"role": "user", "content": f"Write something about {t}, part {i}."}]} for t in TOPICS for i in range(4)]  # fmt: skip
 
 
-@dataclass(kw_only=True, slots=True)
-class SmokeReport:
-    """What one pass of the pipeline produced."""
-
-    num_samples: int
-    num_rows: int
-    raw_tokens: int
-    forwarded_tokens: int
-    num_loss_terms: int
-    max_logprob_error: float
-    """Largest |log-prob from the packed forward - sampler log-prob| over all trained tokens."""
-    mean_reward: float
-
-    @property
-    def packing_ratio(self) -> float:
-        return self.raw_tokens / max(self.forwarded_tokens, 1)
-
-
-async def collect_samples(
-    url: str, model_dir: Path, num_generations: int, max_tokens: int
-) -> list[RolloutSample]:
-    """One pass over the embedded prompts; every kept group's samples."""
-    config = RolloutConfig(
-        vllm_server_base_url=url, num_generations=num_generations, max_completion_length=max_tokens
+def demo_config(output_dir: str, url: str, max_steps: int) -> AsyncGRPOConfig:
+    """The demo's settings; each departure from the defaults is for a tiny random model on a 2-core CPU."""
+    return AsyncGRPOConfig(
+        output_dir=output_dir,
+        vllm_server_base_url=url,
+        weight_sync_backend="disk",  # the CPU server cannot take NCCL transfers
+        bf16=False,  # float32 on both sides: the parity probe is then exact
+        use_cpu=True,
+        gradient_checkpointing=False,  # a tiny model: recomputation only costs time
+        learning_rate=5e-3,  # a random model, not a pretrained one
+        num_generations=8,
+        max_completion_length=24,
+        per_device_train_batch_size=16,  # two groups per optimizer step
+        token_budget=0,  # fixed sample count per row
+        max_staleness=2,
+        max_steps=max_steps,
+        save_strategy="no",
+        report_to="none",
+        seed=0,
     )
-    dataset = [{"prompt": [{"role": "user", "content": p}]} for p in PROMPTS]
-    loop = AsyncRolloutLoop(
-        config,
-        tokenizer=AutoTokenizer.from_pretrained(model_dir),
-        dataset=dataset,
-        reward_funcs=digit_fraction,
-        max_epochs=1,
-    )
-    samples: list[RolloutSample] = []
-    await loop.run(samples.append)
-    return samples
 
 
-def packed_logprob_error(model_dir: Path, samples: list[RolloutSample]) -> SmokeReport:
-    """Pack the samples into prefix-tree rows and compare packed log-probs with the sampler's."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    enable_tree_attention(model, backend="reference")
-    planner = Planner(PackingConfig(token_budget=4096, num_ranks=1))
-    rows = [
-        row
-        for batch in planner.plan([PackSample(**s.pack_fields()) for s in samples])
-        for row in batch.pack()
+def run_demo(url: str, model_dir: Path, output_dir: str, max_steps: int) -> AsyncGRPOTrainer:
+    args = demo_config(output_dir, url, max_steps)
+    trainer = AsyncGRPOTrainer(str(model_dir), CharacterFractionReward(), args=args, train_dataset=PROMPTS)
+    trainer.train()
+    return trainer
+
+
+def _report(trainer: AsyncGRPOTrainer, seconds: float) -> str:
+    rewards = [h["reward_trained"] for h in trainer.state.log_history if "reward_trained" in h]
+    gaps = [
+        h["sync/logprob_max_abs_diff"] for h in trainer.state.log_history if "sync/logprob_max_abs_diff" in h
     ]
-    error = 0.0
-    with torch.no_grad():
-        for row in rows:
-            error = max(error, (token_logprobs(model, row) - row.sampler_logprobs).abs().max().item())
-    return SmokeReport(
-        num_samples=len(samples),
-        num_rows=len(rows),
-        raw_tokens=sum(r.num_raw_tokens for r in rows),
-        forwarded_tokens=sum(r.num_tokens for r in rows),
-        num_loss_terms=sum(r.num_loss_terms for r in rows),
-        max_logprob_error=error,
-        mean_reward=sum(s.reward for s in samples) / max(len(samples), 1),
+    head, tail = rewards[:10], rewards[-10:]
+    return (
+        f"trained {trainer.state.global_step} steps in {seconds:.0f} s: digit reward {sum(head) / len(head):.3f} "
+        f"(first 10 steps) -> {sum(tail) / len(tail):.3f} (last 10); {len(gaps)} syncs, max |server - trainer| "
+        f"log-prob {max(gaps):.1e}; summary: {Path(trainer.args.output_dir) / 'summary.png'}"
     )
-
-
-def run_smoke(url: str, model_dir: Path, num_generations: int = 4, max_tokens: int = 48) -> SmokeReport:
-    samples = asyncio.run(collect_samples(url, model_dir, num_generations, max_tokens))
-    if not samples:
-        raise RuntimeError("every group was dropped (all rewards equal); nothing reached packing")
-    return packed_logprob_error(model_dir, samples)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-generations", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--max-steps", type=int, default=50)
+    parser.add_argument("--output-dir", default=None, help="default: a new temporary directory")
     args = parser.parse_args()
-    model_dir = save_tiny_model(Path(tempfile.mkdtemp(prefix="agrpo-demo-")))
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(1)  # vLLM's CPU worker pins one core; a second trainer thread would only contend
+    work = Path(tempfile.mkdtemp(prefix="agrpo-demo-"))
+    output_dir = args.output_dir or str(work / "run")
+    model_dir = save_tiny_model(work / "model", TinyModelSpec(tie_word_embeddings=False))
     print(f"tiny Qwen3 in {model_dir}; starting the CPU vLLM server (about a minute)...", flush=True)
-    with VLLMServer(model_dir=model_dir) as server:
-        report = run_smoke(server.url, model_dir, args.num_generations, args.max_tokens)
-    print(
-        f"{report.num_samples} samples (mean reward {report.mean_reward:.3f}) -> {report.num_rows} rows: "
-        f"{report.raw_tokens} raw tokens forwarded as {report.forwarded_tokens} "
-        f"(packing ratio {report.packing_ratio:.2f}); {report.num_loss_terms} trained tokens, "
-        f"max |packed - sampler| log-prob {report.max_logprob_error:.2e}"
-    )
+    with VLLMServer(model_dir=model_dir, max_model_len=1024) as server:
+        start = time.monotonic()
+        trainer = run_demo(server.url, model_dir, output_dir, args.max_steps)
+    print(_report(trainer, time.monotonic() - start), flush=True)
 
 
 if __name__ == "__main__":

@@ -167,7 +167,8 @@ class TinyModelSpec:
     """Shape of a tiny random model; defaults are the smallest that vLLM's CPU backend serves."""
 
     kind: str = "qwen3"
-    """`qwen3` (dense) or `hybrid` (Gated DeltaNet + attention, transformers' `qwen3_5` text model)."""
+    """`qwen3` (dense), `hybrid` (Gated DeltaNet + attention, transformers' `qwen3_5` text model) or `moe`
+    (Qwen3-MoE: 4 experts, 2 per token, for the router loss)."""
     vocab_size: int = 512
     """Equals the tokenizer's size, 300..4096."""
     hidden_size: int = 64
@@ -181,6 +182,9 @@ class TinyModelSpec:
     max_position_embeddings: int = 4096
     template: str = "tools"
     """Chat template: `tools` or `history_rewrite`."""
+    tie_word_embeddings: bool = True
+    """False gives the LM head its own weights: vLLM's CPU backend never refreshes a tied head on reload,
+    so models that train against a CPU server (the demo, the learning test) are untied."""
     seed: int = 0
 
 
@@ -196,7 +200,7 @@ def _qwen3_config(spec: TinyModelSpec, special_ids: dict[str, int]):
         num_key_value_heads=spec.num_kv_heads,
         head_dim=spec.head_dim,
         max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=True,
+        tie_word_embeddings=spec.tie_word_embeddings,
         **special_ids,
     )
 
@@ -223,7 +227,27 @@ def _hybrid_config(spec: TinyModelSpec, special_ids: dict[str, int]):
         linear_value_head_dim=spec.head_dim // 2,
         linear_conv_kernel_dim=4,
         max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=True,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        **special_ids,
+    )
+
+
+def _moe_config(spec: TinyModelSpec, special_ids: dict[str, int]):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        moe_intermediate_size=spec.intermediate_size // 2,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
         **special_ids,
     )
 
@@ -238,7 +262,7 @@ def build_model(spec: TinyModelSpec, tokenizer):
         "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
         "pad_token_id": tokenizer.pad_token_id,
     }
-    builders = {"qwen3": _qwen3_config, "hybrid": _hybrid_config}
+    builders = {"qwen3": _qwen3_config, "hybrid": _hybrid_config, "moe": _moe_config}
     if spec.kind not in builders:
         raise ValueError(f"kind={spec.kind!r}; expected one of {sorted(builders)}")
     config = builders[spec.kind](spec, special_ids)

@@ -4,6 +4,7 @@ import agrpo_attention
 
 EXPECTED = [
     "BackendUnavailableError",
+    "TokenScores",
     "TreeAttentionError",
     "TreePlan",
     "TreePlanMissingError",
@@ -13,6 +14,7 @@ EXPECTED = [
     "enable_tree_attention",
     "gathered_logprobs",
     "token_logprobs",
+    "token_scores",
 ]
 
 

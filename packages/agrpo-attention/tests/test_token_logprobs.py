@@ -12,13 +12,21 @@ truth; for those we show exactness in fp64 and that our fp32 error is no worse t
 from __future__ import annotations
 
 import copy
+import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 
 from agrpo_attention import _token_logprobs as token_logprobs_module
-from agrpo_attention import enable_tree_attention, gathered_logprobs, token_logprobs
+from agrpo_attention import (
+    build_tree_plan,
+    enable_tree_attention,
+    gathered_logprobs,
+    token_logprobs,
+    token_scores,
+)
 from agrpo_packing import PackSample, TreeRow
 from agrpo_packing.testing import assert_packed_logprobs_match, assert_row_layout, grpo_groups
 
@@ -182,3 +190,187 @@ def test_gathered_logprobs_gradcheck_chunked_and_tempered(monkeypatch):
     want = (logits / 0.7).log_softmax(-1).gather(1, targets[:, None])[:, 0]
     torch.testing.assert_close(got, want)
     torch.autograd.gradcheck(lambda x: gathered_logprobs(x, targets, 0.7), (logits,))
+
+
+# token_scores: the sampler's top-K log-probs, the sampling-set logsumexp and the MoE router aux loss, each
+# against a full (M, V) log_softmax (or a stock forward) computed directly.
+
+
+def with_sampler_data(samples, seed: int, vocab: int = 512, top_k: int = 5):
+    """The samples with random sampler top-K ids (-1 padded at random widths) and sampling sets (some empty)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for sample in samples:
+        targets = sample.input_ids[sample.trained_mask]
+        top_ids = np.stack([rng.choice(vocab, top_k, replace=False) for _ in targets]).reshape(-1, top_k)
+        for row, width in zip(top_ids, rng.integers(0, top_k + 1, len(targets)), strict=True):
+            row[width:] = -1
+        sets = [
+            np.zeros(0, np.int64)
+            if rng.random() < 0.2
+            else np.union1d(t, rng.choice(vocab, rng.integers(1, 40)))
+            for t in targets
+        ]
+        top_logprobs = np.where(top_ids >= 0, -rng.exponential(size=top_ids.shape), -np.inf)
+        out.append(
+            dataclasses.replace(
+                sample, sampler_top_ids=top_ids, sampler_top_logprobs=top_logprobs, sampling_mask=sets
+            )
+        )
+    return out
+
+
+def direct_scores(model, row, temperature: float):
+    """The same outputs from the model's full logits: log_softmax over V, then plain gathers and a loop."""
+    logits = model(
+        input_ids=row.input_ids[None],
+        position_ids=row.position_ids[None],
+        use_cache=False,
+        logits_to_keep=row.token_index,
+        tree_plan=build_tree_plan(row, model),
+    ).logits[0]
+    logprobs_MV = (logits / temperature).log_softmax(-1)
+    ids = row.sampler_top_ids
+    top = torch.where(ids >= 0, logprobs_MV.gather(1, ids.clamp(min=0)), -torch.inf)
+    offsets = row.sampling_mask_offsets.tolist()
+    sets = [
+        logprobs_MV[m, row.sampling_mask_ids[offsets[m] : offsets[m + 1]]].logsumexp(0)
+        if offsets[m + 1] > offsets[m]
+        else logprobs_MV.new_zeros(())
+        for m in range(row.num_loss_terms)
+    ]
+    return logprobs_MV.gather(1, row.targets[:, None])[:, 0], top, torch.stack(sets)
+
+
+def weighted_gradients(model, outputs, weights):
+    model.zero_grad()
+    logprobs, top, sets = outputs
+    top = torch.where(torch.isfinite(top), top, 0.0)
+    (weights[0] * logprobs + (weights[1] * top).sum(1) + weights[2] * sets).sum().backward()
+    return {name: _grad(p) for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    ("dtype", "atol", "rtol"), [(torch.float64, 1e-10, 1e-8), (torch.float32, 2e-5, 1e-4)]
+)
+def test_token_scores_match_a_full_log_softmax_with_gradients(
+    tiny_dense, trees, monkeypatch, dtype, atol, rtol
+):
+    monkeypatch.setattr(token_logprobs_module, "_CHUNK_BYTES", 4 * 512 * 7)  # 7 rows per chunk
+    model = copy.deepcopy(tiny_dense).to(dtype)
+    enable_tree_attention(model, "reference")
+    row = TreeRow(0)
+    row.extend(with_sampler_data(trees.seeded_samples(3, vocab=512), seed=3))
+    packed = row.pack()
+    assert packed.num_loss_terms > 3 * 7 and (packed.sampler_top_ids < 0).any()
+    assert (packed.sampling_mask_offsets.diff() == 0).any()
+    scores = token_scores(model, packed, temperature=0.7, top_ids=True, candidate_sets=True)
+    got = (scores.logprobs, scores.top_logprobs, scores.candidate_logsumexp)
+    want = direct_scores(model, packed, 0.7)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        torch.testing.assert_close(a, b.to(a.dtype), atol=atol, rtol=0)
+    assert torch.equal(scores.top_logprobs == -torch.inf, packed.sampler_top_ids < 0)
+    assert scores.aux_loss is None
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(s.shape, generator=generator, dtype=dtype) for s in want]
+    got_grads = weighted_gradients(model, got, weights)
+    want_grads = weighted_gradients(model, want, weights)
+    assert_gradients_close({name: (got_grads[name], want_grads[name]) for name in got_grads}, rtol=rtol)
+
+
+def test_gathered_columns_and_set_logsumexp_gradcheck_chunked_and_tempered(monkeypatch):
+    monkeypatch.setattr(token_logprobs_module, "_CHUNK_BYTES", 4 * 11 * 3)  # 3 rows per chunk
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(8, 11, dtype=torch.float64, generator=generator, requires_grad=True)
+    ids = torch.randint(0, 11, (8, 4), generator=generator)
+    ids[1, 2:] = ids[5, 1:] = -1
+    set_ids = torch.stack([torch.randperm(11, generator=generator)[:5] for _ in range(8)])
+    set_ids[2, 3:] = -1
+    set_ids[6] = -1  # an empty set: no renormalisation, 0
+    logprobs = (logits.detach() / 0.7).log_softmax(-1)
+    want_sets = [logprobs[m, set_ids[m][set_ids[m] >= 0]].logsumexp(0) if m != 6 else 0.0 for m in range(8)]
+
+    def scores(x):
+        gathered, sets = token_logprobs_module._GatheredLogSoftmax.apply(x, ids, set_ids, 0.7)
+        return torch.where(ids >= 0, gathered, 0.0), sets
+
+    gathered, sets = scores(logits)
+    torch.testing.assert_close(gathered, torch.where(ids >= 0, logprobs.gather(1, ids.clamp(min=0)), 0.0))
+    torch.testing.assert_close(sets, torch.tensor(want_sets, dtype=torch.float64))
+    torch.autograd.gradcheck(scores, (logits,))
+    assert torch.equal(gathered_logprobs(logits, ids, 0.7) == -torch.inf, ids < 0)
+
+
+def test_token_logprobs_is_the_first_field_of_token_scores(tree_dense, trees):
+    row = trees.random_row(5, vocab=512)
+    with torch.no_grad():
+        scores = token_scores(tree_dense, row, candidate_sets=True)
+        assert torch.equal(token_logprobs(tree_dense, row), scores.logprobs)
+    assert scores.top_logprobs is None and scores.candidate_logsumexp is None  # the row carries no sets
+
+
+def test_empty_row_gives_empty_differentiable_scores(tree_dense):
+    row = TreeRow(0)
+    row.add(
+        PackSample(
+            input_ids=[3, 4, 5],
+            trained_mask=[False] * 3,
+            group_id=0,
+            advantages=[],
+            sampler_logprobs=[],
+            sampler_top_ids=np.zeros((0, 4)),
+            sampler_top_logprobs=np.zeros((0, 4)),
+            sampling_mask=[],
+        )
+    )
+    scores = token_scores(tree_dense, row.pack(), top_ids=True, candidate_sets=True)
+    assert scores.logprobs.shape == (0,) and scores.top_logprobs.shape == (0, 4)
+    assert scores.candidate_logsumexp.shape == (0,)
+    tree_dense.zero_grad()
+    (scores.logprobs.sum() + scores.top_logprobs.sum() + scores.candidate_logsumexp.sum()).backward()
+    assert all(p.grad is None or not p.grad.any() for p in tree_dense.parameters())
+
+
+def test_requests_the_row_or_model_cannot_serve_name_the_fix(tree_dense, trees):
+    row = trees.random_row(6, vocab=512)
+    with pytest.raises(ValueError, match="router_aux_loss=False"):
+        token_scores(tree_dense, row, router_aux_loss=True)
+    with pytest.raises(ValueError, match="top_ids=False"):
+        token_scores(tree_dense, row, top_ids=True)
+
+
+def tiny_moe():
+    from tools.tiny_models import TinyModelSpec, build_model, build_tokenizer
+
+    return build_model(TinyModelSpec(kind="moe"), build_tokenizer())
+
+
+def test_moe_router_aux_loss_of_one_unshared_sample_equals_the_stock_forward():
+    stock = tiny_moe()
+    tree = copy.deepcopy(stock)
+    enable_tree_attention(tree, backend="reference")
+    ids = torch.randint(0, 512, (24,), generator=torch.Generator().manual_seed(2))
+    row = TreeRow(0)
+    row.add(
+        PackSample(
+            input_ids=ids.numpy(),
+            trained_mask=[False] * 10 + [True] * 14,
+            group_id=0,
+            advantages=np.zeros(14),
+            sampler_logprobs=np.zeros(14),
+        )
+    )
+    packed = row.pack()
+    scores = token_scores(tree, packed, router_aux_loss=True)
+    direct = stock(input_ids=packed.input_ids[None], use_cache=False, output_router_logits=True)
+    want_logprobs = direct.logits[0].log_softmax(-1)[packed.token_index, packed.targets]
+    torch.testing.assert_close(scores.logprobs, want_logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(scores.aux_loss, direct.aux_loss, atol=1e-6, rtol=0)
+    assert direct.aux_loss.requires_grad
+    tree.zero_grad()
+    stock.zero_grad()
+    (scores.aux_loss + scores.logprobs.sum()).backward()
+    (direct.aux_loss + want_logprobs.sum()).backward()
+    pairs = zip(tree.named_parameters(), stock.named_parameters(), strict=True)
+    assert_gradients_close({name: (_grad(p), _grad(q)) for (name, p), (_, q) in pairs}, rtol=1e-4)

@@ -197,3 +197,23 @@ def test_wait_until_ready(server_config):
                 await client.wait_until_ready(timeout_s=1.0)
 
     asyncio.run(go())
+
+
+def test_a_model_name_template_names_each_requests_policy_version():
+    from agrpo_rollout import RolloutConfig
+    from agrpo_rollout._client import POLICY_VERSION
+
+    client = VLLMClient(RolloutConfig(model_name="policy-v{version}"))
+
+    async def request_in_group(version: int) -> str:
+        POLICY_VERSION.set(version)  # what the loop does when it dispatches a group; its tasks copy it
+        task = asyncio.ensure_future(asyncio.sleep(0, result=None))
+        await task
+        return await asyncio.ensure_future(_model_of(client))
+
+    async def _model_of(c):
+        return c.completion_body([1, 2], 4)["model"]
+
+    assert asyncio.run(request_in_group(3)) == "policy-v3"
+    assert asyncio.run(request_in_group(7)) == "policy-v7"
+    assert VLLMClient(RolloutConfig(model_name="plain")).completion_body([1], 1)["model"] == "plain"

@@ -30,3 +30,10 @@ def test_an_epoch_of_rejections_raises():
 class IterRows:  # a re-iterable, like datasets.IterableDataset
     def __iter__(self):
         return iter(ROWS)
+
+
+def test_skipped_prompts_are_not_drawn_and_an_all_skipped_epoch_is_not_empty():
+    source = PromptSource(ROWS, start_index=1, max_epochs=2, skip=frozenset({(0, 2), (1, 0)}))
+    assert [(d.epoch, d.row_index) for d in source.draws(lambda *_: True)] == [(0, 1), (1, 1), (1, 2)]
+    every_row_done = PromptSource(ROWS, start_index=2, max_epochs=2, skip=frozenset({(0, 2)}))
+    assert [(d.epoch, d.row_index) for d in every_row_done.draws(lambda *_: True)] == [(1, 0), (1, 1), (1, 2)]

@@ -2,7 +2,7 @@
 
 import agrpo_trainer
 
-EXPECTED = []  # the trainer issue adds AsyncGRPOConfig and AsyncGRPOTrainer here
+EXPECTED = ["AsyncGRPOConfig", "AsyncGRPOError", "AsyncGRPOTrainer", "ModelSetupError", "RolloutWorkerError"]
 
 
 def test_exported_api_is_frozen():

@@ -14,7 +14,7 @@ from ._exceptions import (
     UnsupportedModelError,
 )
 from ._model_patch import enable_tree_attention
-from ._token_logprobs import gathered_logprobs, token_logprobs
+from ._token_logprobs import TokenScores, gathered_logprobs, token_logprobs, token_scores
 from ._tree_plan import TreePlan, build_tree_plan
 
 try:
@@ -24,6 +24,7 @@ except _PackageNotFoundError:  # run from a source tree on PYTHONPATH (e.g. the 
 
 __all__ = [
     "BackendUnavailableError",
+    "TokenScores",
     "TreeAttentionError",
     "TreePlan",
     "TreePlanMissingError",
@@ -33,4 +34,5 @@ __all__ = [
     "enable_tree_attention",
     "gathered_logprobs",
     "token_logprobs",
+    "token_scores",
 ]

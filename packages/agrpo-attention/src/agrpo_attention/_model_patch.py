@@ -42,8 +42,12 @@ class TreeSettings:
 
 
 def tree_settings(model: torch.nn.Module) -> TreeSettings:
-    """The settings `enable_tree_attention` recorded on `model`."""
+    """The settings `enable_tree_attention` recorded on `model`, looking through a data-parallel wrapper
+    (DDP keeps the model as `.module`; PEFT forwards attribute lookups to its base model by itself)."""
     settings = getattr(model, _SETTINGS_ATTRIBUTE, None)
+    inner = getattr(model, "module", None)
+    if settings is None and isinstance(inner, torch.nn.Module):
+        settings = getattr(inner, _SETTINGS_ATTRIBUTE, None)
     if settings is None:
         raise ValueError(
             f"{type(model).__name__} is not tree-enabled: call enable_tree_attention(model) first"

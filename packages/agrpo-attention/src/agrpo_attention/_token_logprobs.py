@@ -1,60 +1,209 @@
-"""`token_logprobs`: the differentiable log-prob of every loss term's target, from one packed-row forward.
+"""`token_scores`: what the loss needs from one packed-row forward, differentiable; `token_logprobs` is its
+first field.
 
-Owns the forward call (input ids, depths as position ids, the tree plan, logits only at the M
-positions `token_index` names, via transformers' `logits_to_keep`) and `gathered_logprobs`, an
-autograd function that turns (M, V) logits into M log-probs without an fp32 (M, V) copy: it streams
-row chunks of ~256 MiB through logsumexp in forward and rebuilds softmax chunk by chunk in backward.
-Does not know the loss (advantages, clipping) nor how the row was packed.
+Owns the forward call (input ids, depths as position ids, the tree plan, logits only at the M positions
+`token_index` names, via transformers' `logits_to_keep`; `output_router_logits` when the router aux
+loss is asked) and `_GatheredLogSoftmax`, an autograd function that turns (M, V) logits into gathered
+log-probs without an fp32 (M, V) copy. One pass over row chunks of ~256 MiB of fp32 logits computes each
+row's logsumexp once and, from it, the log-probs of the target, of the sampler's top-K ids and the
+logsumexp over the term's sampling set (top-k/top-p candidates); backward rebuilds softmax chunk by
+chunk. Extra memory beyond the logits and their gradient: one chunk, plus (M, 1 + K + S) ids and
+log-probs (S = the largest sampling set of the row, padded). Does not know the loss (advantages,
+ratios, clipping) nor how the row was packed.
 
-Legend: N = packed tokens, M = loss terms, V = vocabulary.
+Legend: N = packed tokens, M = loss terms, V = vocabulary, K = sampler top-K, C = gathered columns,
+S = largest sampling set.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from agrpo_packing import PackedRow
 
-from ._model_patch import tree_settings
+from ._model_patch import _text_config, tree_settings
 from ._tree_plan import TreePlan, build_tree_plan
 
 _CHUNK_BYTES = 1 << 28
+_ROUTER_FIELDS = ("num_experts", "num_local_experts", "router_aux_loss_coef")
 
 
 class _GatheredLogSoftmax(torch.autograd.Function):
-    """logits (M, V), targets (M,) -> log_softmax(logits / temperature)[m, targets[m]], fp32 (fp64 for fp64)."""
+    """logits (M, V), ids_MC and set_ids_MS (-1 padded) -> log_softmax(logits / T) at ids_MC (M, C), -inf
+    at pads, and log of the softmax mass of each row's set (M,), 0 for an empty set. fp32 (fp64 for fp64)."""
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature):
+    def forward(ctx, logits, ids_MC, set_ids_MS, temperature):
         compute = torch.promote_types(logits.dtype, torch.float32)
+        num_rows = logits.shape[0]
         rows = max(1, _CHUNK_BYTES // (4 * logits.shape[1]))
-        lse = torch.empty(logits.shape[0], dtype=compute, device=logits.device)
-        for start in range(0, logits.shape[0], rows):
-            lse[start : start + rows] = torch.logsumexp(
-                logits[start : start + rows].to(compute) / temperature, -1
-            )
-        picked = logits.gather(1, targets[:, None])[:, 0].to(compute) / temperature
-        ctx.save_for_backward(logits, targets, lse)
+        lse_M = logits.new_empty(num_rows, dtype=compute)
+        set_lse_M = logits.new_empty(num_rows, dtype=compute)
+        gathered_MC = logits.new_empty(ids_MC.shape, dtype=compute)
+        for start in range(0, num_rows, rows):
+            chunk = slice(start, start + rows)
+            x = logits[chunk].to(compute) / temperature
+            lse = torch.logsumexp(x, -1)
+            lse_M[chunk] = lse
+            gathered_MC[chunk] = _masked_gather(x, ids_MC[chunk]) - lse[:, None]
+            in_set = torch.logsumexp(_masked_gather(x, set_ids_MS[chunk]), -1) - lse
+            set_lse_M[chunk] = torch.where((set_ids_MS[chunk] >= 0).any(1), in_set, 0.0)
+        ctx.save_for_backward(logits, ids_MC, set_ids_MS, lse_M, set_lse_M)
         ctx.temperature, ctx.rows = temperature, rows
-        return picked - lse
+        return gathered_MC, set_lse_M
 
     @staticmethod
-    def backward(ctx, grad):
-        logits, targets, lse = ctx.saved_tensors
+    def backward(ctx, grad_MC, grad_set_M):
+        logits, ids_MC, set_ids_MS, lse_M, set_lse_M = ctx.saved_tensors
         grad_logits = torch.empty_like(logits)
         for start in range(0, logits.shape[0], ctx.rows):
-            stop = start + ctx.rows
-            g = grad[start:stop, None].to(lse.dtype)
-            probs = torch.exp(logits[start:stop].to(lse.dtype) / ctx.temperature - lse[start:stop, None])
-            chunk = -probs * g
-            chunk.scatter_add_(1, targets[start:stop, None], g)
-            grad_logits[start:stop] = (chunk / ctx.temperature).to(logits.dtype)
-        return grad_logits, None, None
+            chunk = slice(start, start + ctx.rows)
+            ids, set_ids, lse = ids_MC[chunk], set_ids_MS[chunk], lse_M[chunk, None]
+            g = torch.where(ids >= 0, grad_MC[chunk].to(lse.dtype), 0.0)
+            g_set = torch.where((set_ids >= 0).any(1), grad_set_M[chunk].to(lse.dtype), 0.0)
+            x = logits[chunk].to(lse.dtype) / ctx.temperature  # a fresh chunk: the ops below are in place
+            # d set_lse / dx = renormalised softmax on the set - softmax; d gathered / dx = onehot - softmax
+            in_set = torch.exp(_masked_gather(x, set_ids) - lse - set_lse_M[chunk, None]) * g_set[:, None]
+            grads = x.sub_(lse).exp_().mul_(-(g.sum(1) + g_set)[:, None])
+            grads.scatter_add_(1, ids.clamp(min=0), g)
+            grads.scatter_add_(1, set_ids.clamp(min=0), in_set)
+            grad_logits[chunk] = grads.div_(ctx.temperature).to(logits.dtype)
+        return grad_logits, None, None, None
+
+
+def _masked_gather(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """x (R, V) at ids (R, C), -inf where the id is -1."""
+    return torch.where(ids >= 0, x.gather(1, ids.clamp(min=0)), -torch.inf)
 
 
 def gathered_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """(M, V) logits, (M,) target ids -> (M,) fp32 log-probs of the targets under softmax(logits / T)."""
-    return _GatheredLogSoftmax.apply(logits, targets, float(temperature))
+    """(M, V) logits, (M,) target ids -> (M,) fp32 log-probs of the targets under softmax(logits / T).
+    Targets may also be (M, C) ids, -1 padded -> (M, C) log-probs, -inf at the pads."""
+    ids_MC = targets[:, None] if targets.ndim == 1 else targets
+    no_sets = ids_MC.new_empty(ids_MC.shape[0], 0)
+    gathered_MC, _ = _GatheredLogSoftmax.apply(logits, ids_MC, no_sets, float(temperature))
+    return gathered_MC[:, 0] if targets.ndim == 1 else gathered_MC
+
+
+@dataclass(frozen=True, slots=True)
+class TokenScores:
+    """What `token_scores` returns; every tensor is differentiable w.r.t. the model's parameters."""
+
+    logprobs: torch.Tensor
+    """(M,) fp32 log softmax(logits / T) at each loss term's target, over the full vocabulary."""
+    top_logprobs: torch.Tensor | None
+    """(M, K) fp32, the same at `packed_row.sampler_top_ids`, -inf where the id is -1; None unless asked."""
+    candidate_logsumexp: torch.Tensor | None
+    """(M,) fp32 logsumexp of the log-probs over each term's sampling set (renormalised log-prob of y =
+    logprobs - candidate_logsumexp), 0 for an empty set; None unless asked or the row has no sets."""
+    aux_loss: torch.Tensor | None
+    """Scalar router load-balancing loss as the model returns it (not multiplied by
+    `router_aux_loss_coef`), over the row's N unique tokens; None unless asked."""
+
+
+def _set_ids(packed_row: PackedRow) -> torch.Tensor:
+    """(M, S) int64 ids of each term's sampling set, -1 padded, from the row's flat ids and offsets."""
+    offsets = packed_row.sampling_mask_offsets
+    sizes = offsets[1:] - offsets[:-1]
+    width = int(sizes.max()) if sizes.numel() else 0
+    set_ids_MS = torch.full((sizes.shape[0], width), -1, dtype=torch.int64, device=offsets.device)
+    terms = torch.repeat_interleave(torch.arange(sizes.shape[0], device=offsets.device), sizes)
+    columns = torch.arange(terms.shape[0], device=offsets.device) - offsets[:-1][terms]
+    set_ids_MS[terms, columns] = packed_row.sampling_mask_ids.to(torch.int64)
+    return set_ids_MS
+
+
+def _check_requests(model, packed_row: PackedRow, plan: TreePlan | None, top_ids: bool, router: bool):
+    settings = tree_settings(model)
+    if plan is not None and (
+        plan.backend is not settings.backend or (plan.deltanet is None) != (settings.conv_kernel_size is None)
+    ):
+        raise ValueError(
+            "plan was not built for this model: build it with build_tree_plan(packed_row, model)"
+        )
+    if top_ids and packed_row.sampler_top_ids is None:
+        raise ValueError(
+            "top_ids=True but the row has no sampler_top_ids: pack samples that carry sampler top "
+            "log-probs, or pass top_ids=False"
+        )
+    config = _text_config(model)
+    if router and not any(getattr(config, name, None) for name in _ROUTER_FIELDS):
+        raise ValueError(
+            f"router_aux_loss=True but {type(model).__name__} has no router (its config sets none of "
+            f"{list(_ROUTER_FIELDS)}): the router aux loss applies to mixture-of-experts models only; "
+            "pass router_aux_loss=False (leave the trainer's router_aux_loss_coef unset)"
+        )
+    return settings
+
+
+def _empty_scores(model, packed_row: PackedRow, top_ids: bool, with_sets: bool, router: bool) -> TokenScores:
+    """Zero-sized outputs of a row without loss terms, still attached to the graph (zero gradients)."""
+    anchor = next(model.parameters())
+    if hasattr(anchor, "to_local"):  # an FSDP2 shard (DTensor): the local part, so outputs are plain tensors
+        anchor = anchor.to_local()
+    zero = anchor.flatten()[:1].float().sum() * 0
+    width = packed_row.sampler_top_ids.shape[1] if top_ids else 0
+    return TokenScores(
+        logprobs=anchor.new_zeros(0, dtype=torch.float32) + zero,
+        top_logprobs=anchor.new_zeros(0, width, dtype=torch.float32) + zero if top_ids else None,
+        candidate_logsumexp=anchor.new_zeros(0, dtype=torch.float32) + zero if with_sets else None,
+        aux_loss=zero if router else None,
+    )
+
+
+def token_scores(
+    model: torch.nn.Module,
+    packed_row: PackedRow,
+    *,
+    temperature: float = 1.0,
+    top_ids: bool = False,
+    candidate_sets: bool = False,
+    router_aux_loss: bool = False,
+    plan: TreePlan | None = None,
+) -> TokenScores:
+    """Score every loss term of `packed_row` (aligned with `packed_row.token_index`) under `model`, which
+    `enable_tree_attention` switched to tree attention, in one forward. `temperature` divides the logits
+    (match the sampler's). `top_ids`: also the log-probs of `packed_row.sampler_top_ids` (the row must
+    carry them). `candidate_sets`: also the logsumexp over each term's sampling set, when the row carries
+    sampling masks. `router_aux_loss`: also the MoE router aux loss (ValueError on a model without
+    router). `plan`: a prebuilt `build_tree_plan(packed_row, model)`. A data-parallel wrapper that keeps the
+    model as `.module` (DDP) is called for the forward (its gradient hooks) and looked through otherwise."""
+    inner = model.module if isinstance(getattr(model, "module", None), torch.nn.Module) else model  # DDP wraps
+    settings = _check_requests(inner, packed_row, plan, top_ids, router_aux_loss)
+    with_sets = candidate_sets and packed_row.sampling_mask_offsets is not None
+    if packed_row.num_loss_terms == 0:  # nothing to score (e.g. only untrained samples): skip the forward
+        return _empty_scores(model, packed_row, top_ids, with_sets, router_aux_loss)
+    device = settings.device
+    token_index = packed_row.token_index.to(device)
+    output = model(
+        input_ids=packed_row.input_ids.to(device)[None],
+        position_ids=packed_row.position_ids.to(device)[None],
+        use_cache=False,
+        logits_to_keep=token_index,
+        tree_plan=build_tree_plan(packed_row, inner) if plan is None else plan,
+        **({"output_router_logits": True} if router_aux_loss else {}),
+    )
+    ids_MC = packed_row.targets.to(device)[:, None]
+    if top_ids:
+        ids_MC = torch.cat([ids_MC, packed_row.sampler_top_ids.to(device)], 1)
+    set_ids_MS = _set_ids(packed_row).to(device) if with_sets else ids_MC.new_empty(ids_MC.shape[0], 0)
+    gathered_MC, set_lse_M = _GatheredLogSoftmax.apply(
+        output.logits[0], ids_MC, set_ids_MS, float(temperature)
+    )
+    aux_loss = output.aux_loss if router_aux_loss else None
+    if router_aux_loss and not isinstance(aux_loss, torch.Tensor):
+        raise ValueError(
+            f"{type(model).__name__} returned no aux_loss with output_router_logits=True; "
+            "pass router_aux_loss=False for this model"
+        )
+    return TokenScores(
+        logprobs=gathered_MC[:, 0],
+        top_logprobs=gathered_MC[:, 1:] if top_ids else None,
+        candidate_logsumexp=set_lse_M if with_sets else None,
+        aux_loss=aux_loss,
+    )
 
 
 def token_logprobs(
@@ -66,26 +215,6 @@ def token_logprobs(
 ) -> torch.Tensor:
     """(M,) fp32 log-prob of each loss term's target (aligned with `packed_row.token_index`) under
     `model`, which `enable_tree_attention` switched to tree attention. Differentiable. `temperature`
-    divides the logits (match the sampler's). `plan`: a prebuilt `build_tree_plan(packed_row, model)`."""
-    settings = tree_settings(model)
-    if packed_row.num_loss_terms == 0:  # nothing to score (e.g. only untrained samples): skip the forward
-        anchor = next(model.parameters())
-        return anchor.new_zeros(0, dtype=torch.float32) * anchor.flatten()[:1].float()  # still differentiable
-    if plan is None:
-        plan = build_tree_plan(packed_row, model)
-    elif plan.backend is not settings.backend or (plan.deltanet is None) != (
-        settings.conv_kernel_size is None
-    ):
-        raise ValueError(
-            "plan was not built for this model: build it with build_tree_plan(packed_row, model)"
-        )
-    device = settings.device
-    token_index = packed_row.token_index.to(device)
-    output = model(
-        input_ids=packed_row.input_ids.to(device)[None],
-        position_ids=packed_row.position_ids.to(device)[None],
-        use_cache=False,
-        logits_to_keep=token_index,
-        tree_plan=plan,
-    )
-    return gathered_logprobs(output.logits[0], packed_row.targets.to(device), temperature)
+    divides the logits (match the sampler's). `plan`: a prebuilt `build_tree_plan(packed_row, model)`.
+    The first field of `token_scores`."""
+    return token_scores(model, packed_row, temperature=temperature, plan=plan).logprobs

@@ -3,7 +3,8 @@
 Owns `tree_attention_forward` (the `AttentionInterface` signature: module, query, key, value,
 attention_mask, scaling, dropout, plus keyword extras such as `softcap`, `sliding_window` and our
 `tree_plan`, which travels from the model's forward kwargs) and its registration under the name
-"agrpo_tree". transformers builds no mask for a name it has no mask function for, so the row is run
+"agrpo_tree". Under autocast, query, key and value are cast to the autocast dtype first, as autocast does
+for SDPA: fp32 master weights leave Qwen3's normed q/k in fp32 beside a bf16 v, which flash kernels refuse. transformers builds no mask for a name it has no mask function for, so the row is run
 as one sequence of N tokens and the tree lives entirely in the plan. Does not know kernels (the
 plan's backend does) nor how the plan was built.
 """
@@ -48,6 +49,10 @@ def tree_attention_forward(
         raise UnsupportedModelError(
             f"{type(module).__name__} uses a sliding window ({sliding_window}), which tree attention does not support"
         )
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):  # as SDPA under autocast: one low-precision dtype for q, k, v
+        dtype = torch.get_autocast_dtype(device_type)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     return tree_plan.attend(query, key, value, scaling=scaling, softcap=softcap), None
 
 

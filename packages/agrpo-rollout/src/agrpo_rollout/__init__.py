@@ -19,7 +19,8 @@ from ._exceptions import (
     ToolSetupError,
 )
 from ._group import RolloutGroup, group_advantages, is_trainable
-from ._loop import AsyncRolloutLoop, GroupOutcome
+from ._group_outcome import GroupOutcome
+from ._loop import AsyncRolloutLoop
 from ._rollout import Rollout
 from ._sample import PACK_FIELDS, RolloutSample
 from ._sequence import ReconcileStats, TrainingSequence, build_sequences

@@ -62,6 +62,10 @@ def _normalise_call(call: Any) -> dict[str, Any]:
     if not isinstance(call, dict):
         raise ValueError(f"tool call is {type(call).__name__}, not an object")
     function = call.get("function", call)
+    if not isinstance(function, dict):  # e.g. `<tool_call>5</tool_call>` from an untrained policy
+        raise ValueError(
+            f"tool call function is {type(function).__name__}, not an object: {function!r}"[:200]
+        )
     name, arguments = function.get("name"), function.get("arguments", {})
     if isinstance(arguments, str):
         arguments = json.loads(arguments) if arguments.strip() else {}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from contextvars import ContextVar
 from typing import Any
 
 import httpx
@@ -30,6 +31,9 @@ from ._turn import TurnRecord
 
 logger = logging.getLogger("agrpo_rollout")
 
+POLICY_VERSION: ContextVar[int] = ContextVar("agrpo_policy_version", default=0)
+"""The policy version of the group a request belongs to; the loop sets it when it dispatches a group, and a
+`model_name` template with `{version}` (LoRA adapter sync) names that version's adapter."""
 _MAX_BACKOFF_S = 16.0
 _RETRY_STATUS = frozenset({408, 429})
 
@@ -153,10 +157,17 @@ class VLLMClient:
         response = await self.request("POST", COMPLETIONS_PATH, json=self.completion_body(prompt, max_tokens))
         return decode_completion(response.content, prompt, num_top)
 
+    def request_model(self) -> str | None:
+        """The `model` of a request: a `{version}` template names the adapter of the group's policy version."""
+        name = self.config.model_name
+        if name is not None and "{version}" in name:
+            return name.format(version=POLICY_VERSION.get())
+        return self.server.model_name if self.server else name
+
     def completion_body(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
         """`/v1/completions` body: token-id prompt, ids as ids (distinct tokens never collapse)."""
         return {
-            "model": (self.server.model_name if self.server else self.config.model_name),
+            "model": self.request_model(),
             "prompt": prompt,
             "max_tokens": max_tokens,
             "n": 1,
@@ -173,7 +184,7 @@ class VLLMClient:
         outside them (see `decode_generate`), and for no detokenisation."""
         num_top = self.config.num_sampler_logprobs
         return {
-            "model": (self.server.model_name if self.server else self.config.model_name),
+            "model": self.request_model(),
             "token_ids": prompt,
             "sampling_params": {
                 "max_tokens": max_tokens,

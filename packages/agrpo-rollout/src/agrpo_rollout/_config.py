@@ -20,7 +20,9 @@ class RolloutConfig:
     vllm_server_base_url: str = "http://localhost:8000"
     """Base URL of the vLLM OpenAI-compatible server, e.g. `http://localhost:8000`."""
     model_name: str | None = None
-    """Served model or LoRA adapter name sent as `model`; None: the first model `/v1/models` lists."""
+    """Served model or LoRA adapter name sent as `model`; None: the first model `/v1/models` lists. A
+    template with `{version}` (e.g. `agrpo-policy-v{version}`, LoRA adapter sync) names, per request, the
+    adapter of the policy version its group started at."""
     num_generations: int = 8
     """Rollouts per prompt (the GRPO group size), >= 1; groups need >= 2 to yield advantages."""
     max_completion_length: int = 2048

@@ -30,12 +30,13 @@ from typing import Any
 import numpy as np
 
 from ._assistant_message import parse_assistant_turn, parser_kind
-from ._client import VLLMClient
+from ._client import POLICY_VERSION, VLLMClient
 from ._concurrency import ConcurrencyController
 from ._config import RolloutConfig
 from ._conversation import Conversation, render_prompt, with_reset_text
 from ._environment import EnvironmentPool
 from ._group import RolloutGroup, group_advantages, is_trainable
+from ._group_outcome import GroupOutcome
 from ._prompt_source import PromptSource
 from ._reward import RewardScorer, sum_rewards, with_other_sources
 from ._rollout import Rollout
@@ -46,21 +47,6 @@ from ._toolbox import Toolbox
 from ._turn import TurnRecord
 
 logger = logging.getLogger("agrpo_rollout")
-
-
-@dataclass(frozen=True, slots=True)
-class GroupOutcome:
-    """What became of one drawn prompt; `on_group` receives one per prompt (epoch accounting)."""
-
-    row_index: int
-    epoch: int
-    group_id: int
-    """-1 for a prompt `filter_prompt` rejected."""
-    kept: bool
-    reason: str
-    """"" when kept; `filtered`, `zero_std` or `unscorable` otherwise."""
-    num_samples: int
-    group: RolloutGroup | None
 
 
 @dataclass(slots=True)
@@ -87,6 +73,7 @@ class AsyncRolloutLoop:
         environment_factory: Callable[[], object] | Mapping[str, Callable[[], object]] | None = None,
         start_index: int = 0,
         max_epochs: int | None = None,
+        skip_prompts: frozenset[tuple[int, int]] = frozenset(),
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -100,6 +87,7 @@ class AsyncRolloutLoop:
         self.environment_factory = environment_factory
         self.start_index = start_index
         self.max_epochs = max_epochs
+        self.skip_prompts = skip_prompts  # (epoch, row_index) already trained before a resume: not drawn
         self.metrics = RolloutMetrics()
 
     # ---- overridable steps -------------------------------------------------------------------
@@ -303,7 +291,9 @@ class AsyncRolloutLoop:
     async def _dispatch(
         self, queue: asyncio.Queue, policy_version: Callable[[], int], on_group, max_groups
     ) -> None:
-        source = PromptSource(self.dataset, start_index=self.start_index, max_epochs=self.max_epochs)
+        source = PromptSource(
+            self.dataset, start_index=self.start_index, max_epochs=self.max_epochs, skip=self.skip_prompts
+        )
         group_id = 0
         for draw in source.draws(self.filter_prompt):
             if max_groups is not None and group_id >= max_groups:
@@ -312,6 +302,8 @@ class AsyncRolloutLoop:
                 if on_group is not None:
                     on_group(GroupOutcome(draw.row_index, draw.epoch, -1, False, "filtered", 0, None))
                 continue
+            if self._on_draw is not None:  # before any of its samples exists: the prompt is in flight
+                self._on_draw(draw.row_index, draw.epoch)
             columns = {k: [v] * self.config.num_generations for k, v in draw.row.items() if k != "prompt"}
             group = RolloutGroup(
                 [], columns, [], [], [], [], [], 0, group_id, draw.row_index, [], [], epoch=draw.epoch
@@ -321,6 +313,7 @@ class AsyncRolloutLoop:
                 await self.controller.acquire()
                 if not tasks:
                     group.model_version = int(policy_version())
+                    POLICY_VERSION.set(group.model_version)  # copied into the group's tasks: their requests
                 tasks.append(self._spawn(self._run_rollout(draw.row, group_id)))
             self._collectors.add(self._spawn(self._collect_group(tasks, group, queue)))
             for collector in [c for c in self._collectors if c.done()]:
@@ -362,6 +355,7 @@ class AsyncRolloutLoop:
         on_group: Callable[[GroupOutcome], None] | None = None,
         metrics_sink: Callable[[dict[str, float]], Any] | None = None,
         max_groups: int | None = None,
+        on_draw: Callable[[int, int], None] | None = None,
     ) -> None:
         """Produce samples until the dataset's epochs or `max_groups` run out (cancel the task to stop).
 
@@ -369,7 +363,10 @@ class AsyncRolloutLoop:
         in a thread, so a blocking `queue.put` throttles generation (`rollout/backpressure_s`).
         `metrics_sink` gets a metrics dict every `metrics_interval_s` seconds (a heartbeat too) and
         once at the end. `policy_version()` is read when a group's first rollout is dispatched.
+        `on_draw(row_index, epoch)` is called when an accepted prompt's group is dispatched, before
+        `on_group` reports its outcome (a trainer's resume position must know prompts still in flight).
         """
+        self._on_draw = on_draw
         await self._prepare()
         queue: asyncio.Queue = asyncio.Queue(self.config.score_queue_maxsize)
         self._tasks, self._collectors = set(), set()

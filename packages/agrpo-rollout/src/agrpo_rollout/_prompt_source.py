@@ -3,6 +3,8 @@
 Owns iteration order (row order, no shuffling: shuffle the dataset beforehand), epoch counting,
 the resume start index, and the rule that an epoch whose every row is rejected raises. Does not
 know what a row means: the loop reads `prompt` and passes the other columns to reward functions.
+A resumed trainer also passes `skip`: (epoch, row_index) pairs, epochs counted from this source's start,
+that were already trained before the resume; they are not drawn and count as neither seen nor rejected.
 
 Accepts a `datasets.Dataset` (or any sized, indexable sequence of dicts), a `datasets.IterableDataset`
 (or any re-iterable; restarts at row 0 on resume, since it cannot seek), or None: an endless stream
@@ -35,10 +37,18 @@ class PromptDraw:
 class PromptSource:
     """Rows of `dataset` from `start_index`, for `max_epochs` passes (None: forever)."""
 
-    def __init__(self, dataset: Any, *, start_index: int = 0, max_epochs: int | None = None) -> None:
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        start_index: int = 0,
+        max_epochs: int | None = None,
+        skip: frozenset[tuple[int, int]] = frozenset(),
+    ) -> None:
         self.dataset = dataset
         self.start_index = start_index
         self.max_epochs = max_epochs
+        self.skip = frozenset(skip)
 
     def _rows(self, epoch: int) -> Iterator[tuple[int, Mapping[str, Any]]]:
         if self.dataset is None:
@@ -62,8 +72,11 @@ class PromptSource:
         """Every row in order with `accept(row_index, row, epoch)`'s verdict; raises when an epoch is empty."""
         epoch = 0
         while self.max_epochs is None or epoch < self.max_epochs:
-            seen = accepted = 0
+            seen = accepted = skipped = 0
             for index, row in self._rows(epoch):
+                if (epoch, index) in self.skip:
+                    skipped += 1
+                    continue
                 verdict = bool(accept(index, row, epoch))
                 seen += 1
                 accepted += verdict
@@ -73,7 +86,7 @@ class PromptSource:
                     f"filter_prompt rejected all {seen} prompts of epoch {epoch}; no group can reach the trainer. "
                     "Loosen filter_prompt or stop training"
                 )
-            if not seen:
+            if not seen and not skipped:
                 raise PromptsExhaustedError(
                     "the prompt dataset is empty; pass a dataset with at least one row"
                 )

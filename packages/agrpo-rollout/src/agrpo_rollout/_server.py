@@ -70,7 +70,10 @@ class ServerInfo:
 
     def check(self, config: RolloutConfig) -> list[str]:
         """Raise `ServerConfigError` for what cannot work; return warnings for what works degraded."""
-        if config.model_name is not None and config.model_name not in self.served_models:
+        templated = (
+            config.model_name is not None and "{version}" in config.model_name
+        )  # names appear per sync
+        if config.model_name is not None and not templated and config.model_name not in self.served_models:
             raise ServerConfigError(
                 f"model_name={config.model_name!r} is not served by {self.base_url} (it serves "
                 f"{list(self.served_models)}); set model_name to one of those or load the adapter first"
@@ -123,7 +126,7 @@ async def probe_server(client: Any, config: RolloutConfig) -> ServerInfo:
     """Read the facts of `ServerInfo` through `client.request(method, path, ...)`, then `check` them."""
     models = (await client.request("GET", "/v1/models")).json()["data"]
     names = tuple(m["id"] for m in models)
-    model_name = config.model_name or names[0]
+    model_name = config.model_name if config.model_name and "{version}" not in config.model_name else names[0]
     by_name = {m["id"]: m for m in models}
     entry = by_name.get(model_name) or by_name[names[0]]
     root = by_name.get(entry.get("parent") or "", entry)

@@ -1,0 +1,348 @@
+"""`AsyncGRPOConfig`: every setting of the trainer, as `transformers.TrainingArguments` plus the reference's fields.
+
+Owns the fields, their defaults (the reference's, including its changed `TrainingArguments` defaults: SPEC
+F-API), the checks that fail at construction with the field to change, and the translation into the
+four libraries' own configs (`rollout_config`, `packing_config`, `sync_config`, `loss_settings`), which
+it builds and never rewrites. Does not know the server (values that need it, such as `max_model_len`,
+are passed in) nor how many processes run (`num_processes` is passed in).
+
+Beyond the reference, agrpo adds a few fields, grouped last and marked "agrpo:": the weight-sync
+backend (`disk` for CPU servers and shared filesystems), the tree-attention backend, and the post-sync
+parity probe (SPEC F-BEYOND).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+from transformers import TrainingArguments
+
+from agrpo_packing import PackingConfig
+from agrpo_rollout import RolloutConfig
+from agrpo_sync import WeightSyncConfig
+
+from ._loss import LossSettings
+
+# Decaying schedules need a known horizon; forks make the number of steps per epoch unknown (reference).
+_HORIZON_FREE_SCHEDULES = ("constant", "constant_with_warmup")
+WEIGHT_SYNC_BACKENDS = ("nccl", "disk")
+
+
+def default_bf16(*, fp16: bool) -> bool:
+    """The reference's bf16 default (True unless fp16), on machines whose GPU runs bf16. Elsewhere (a CPU-only
+    machine) False: transformers refuses bf16 there without use_cpu, and CPU vLLM servers serve float32."""
+    return not fp16 and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass
+class AsyncGRPOConfig(TrainingArguments):
+    """Settings of `AsyncGRPOTrainer`: `TrainingArguments` with the reference's changed defaults and fields."""
+
+    # ---- TrainingArguments defaults the reference changes ----
+    logging_steps: float = field(default=1, metadata=_help("Log every X optimizer steps (reference: 1)."))
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata=_help("Recompute activations in backward; None means True (reference default)."),
+    )
+    bf16: bool | None = field(
+        default=None,
+        metadata=_help(
+            "bf16 mixed precision; None: True unless fp16 is set or no bf16-capable GPU is present."
+        ),
+    )
+    learning_rate: float = field(default=1e-6, metadata=_help("Peak learning rate (reference: 1e-6)."))
+    lr_scheduler_type: str = field(
+        default="constant",
+        metadata=_help(
+            "LR schedule; decaying ones need an explicit max_steps (the step count is not known ahead)."
+        ),
+    )
+    ignore_data_skip: bool = field(
+        default=True,
+        metadata=_help("Always True in effect: resume uses rollout_state.json, not batch replay."),
+    )
+
+    # ---- model ----
+    model_init_kwargs: dict[str, Any] | str | None = field(
+        default=None, metadata=_help("Keyword arguments of from_pretrained when `model` is a path or hub id.")
+    )
+    dtype: str = field(
+        default="float32",
+        metadata=_help(
+            "dtype the weights load in: auto, bfloat16, float16 or float32; model_init_kwargs['dtype'] wins."
+        ),
+    )
+    trust_remote_code: bool = field(
+        default=False, metadata=_help("Allow custom model/tokenizer code from the hub.")
+    )
+    router_aux_loss_coef: float | None = field(
+        default=None,
+        metadata=_help(
+            "MoE load-balancing loss weight; None: the model config's; 0 disables; error on non-MoE models."
+        ),
+    )
+
+    # ---- generation ----
+    num_generations: int = field(default=8, metadata=_help("Rollouts per prompt (the GRPO group), >= 2."))
+    max_completion_length: int = field(
+        default=2048, metadata=_help("Generated tokens per rollout, summed over its turns, >= 1.")
+    )
+    temperature: float = field(default=1.0, metadata=_help("Sampling temperature, > 0."))
+    top_p: float = field(default=1.0, metadata=_help("Nucleus mass in (0, 1]; < 1 needs top_k > 0."))
+    top_k: int = field(default=0, metadata=_help("Top-k filter; 0 disables."))
+    min_p: float | None = field(
+        default=None, metadata=_help("Minimum relative probability in [0, 1]; needs top_k.")
+    )
+    repetition_penalty: float = field(
+        default=1.0, metadata=_help("vLLM repetition penalty, > 0; 1 disables.")
+    )
+    chat_template_kwargs: dict[str, Any] | str | None = field(
+        default=None, metadata=_help("Extra keyword arguments of apply_chat_template.")
+    )
+    max_tool_calling_iterations: int | None = field(
+        default=None, metadata=_help("Most tool-calling rounds per rollout; None: no limit.")
+    )
+
+    # ---- vLLM server ----
+    vllm_server_base_url: str = field(
+        default="http://localhost:8000", metadata=_help("Base URL of the vLLM server used for generation.")
+    )
+    vllm_server_timeout: float = field(
+        default=1800.0, metadata=_help("Seconds for server readiness, one generation request, one sync call.")
+    )
+
+    # ---- training ----
+    epsilon: float = field(
+        default=0.2, metadata=_help("Clip low: ratios below 1 - epsilon are clipped, > 0.")
+    )
+    epsilon_high: float | None = field(
+        default=None, metadata=_help("Clip high: ratios above 1 + epsilon_high are clipped; None: epsilon.")
+    )
+    score_centering: bool = field(
+        default=True, metadata=_help("Subtract the score's expectation under the sampler (top-N estimate).")
+    )
+    vllm_importance_sampling_clip_min: float = field(
+        default=0.5, metadata=_help("Tokens with policy/sampler ratio below this are excluded, in (0, 1].")
+    )
+    vllm_importance_sampling_clip_max: float = field(
+        default=5.0, metadata=_help("Tokens with policy/sampler ratio above this are excluded, >= 1.")
+    )
+    num_sampler_logprobs: int = field(
+        default=8,
+        metadata=_help("Sampler top log-probs per generated token (score centering), <= --max-logprobs."),
+    )
+    token_budget: int | None = field(
+        default=None,
+        metadata=_help(
+            "Unique tokens per row; None: the server's max_model_len; <= 0: fixed sample count per row."
+        ),
+    )
+
+    # ---- async pipeline ----
+    max_concurrent_rollouts: int | None = field(
+        default=None,
+        metadata=_help(
+            "Upper bound on rollouts in flight; None: max(max_staleness, 1) * batch * accumulation * processes."
+        ),
+    )
+    max_staleness: int = field(
+        default=4, metadata=_help("Weight syncs a sample may lag the policy before it is dropped, >= 0.")
+    )
+    queue_maxsize: int = field(default=1024, metadata=_help("Samples buffered between the processes, >= 1."))
+    weight_sync_steps: int = field(default=1, metadata=_help("Optimizer steps between weight syncs, >= 1."))
+    rollout_worker_timeout: float = field(
+        default=300.0, metadata=_help("Seconds without a rollout-process heartbeat before training aborts.")
+    )
+
+    # ---- logging ----
+    log_completions: bool = field(default=False, metadata=_help("Log sample completions every logging step."))
+    num_completions_to_print: int | None = field(
+        default=None, metadata=_help("Completions printed per log; None: all of the window.")
+    )
+
+    # ---- agrpo: beyond the reference ----
+    weight_sync_backend: str = field(
+        default="nccl",
+        metadata=_help("Full-weight sync: nccl (GPU servers) or disk (CPU servers, shared filesystems)."),
+    )
+    lora_sync: str = field(
+        default="auto", metadata=_help("PEFT models: auto, merged or adapter (server with --enable-lora).")
+    )
+    attention_backend: str = field(
+        default="auto",
+        metadata=_help("Tree attention backend of agrpo-attention: auto, reference, flex, varlen, ..."),
+    )
+    sync_parity_probe_tokens: int = field(
+        default=64,
+        metadata=_help(
+            "After each sync, score a probe of this many tokens on server and trainer; 0 disables."
+        ),
+    )
+    sync_parity_threshold: float = field(
+        default=0.5,
+        metadata=_help("Warn when the probe's max |server - trainer| log-prob exceeds this (nats)."),
+    )
+
+    def __post_init__(self) -> None:
+        if self.bf16 is None:
+            self.bf16 = default_bf16(fp16=self.fp16)
+        if self.gradient_checkpointing is None and getattr(self, "activation_checkpointing", None) is None:
+            if any(f.name == "activation_checkpointing" for f in fields(self)):
+                self.activation_checkpointing = True
+            else:  # transformers before the activation_checkpointing rename
+                self.gradient_checkpointing = True
+        self._check_unsupported()  # before TrainingArguments tries to set DeepSpeed up
+        super().__post_init__()
+        self._check()
+
+    # ---- checks ------------------------------------------------------------------------------
+
+    def _check(self) -> None:
+        self._check_positive()
+        if not 0.0 < self.vllm_importance_sampling_clip_min <= 1.0 <= self.vllm_importance_sampling_clip_max:
+            raise ValueError(
+                f"vllm_importance_sampling_clip_min={self.vllm_importance_sampling_clip_min}, "
+                f"vllm_importance_sampling_clip_max={self.vllm_importance_sampling_clip_max}; expected "
+                "0 < min <= 1 <= max (e.g. 0.5 and 5.0)"
+            )
+        if self.score_centering and self.num_sampler_logprobs == 0:
+            raise ValueError(
+                "score_centering=True needs the sampler's top log-probs; set num_sampler_logprobs > 0 "
+                "(e.g. 8) or score_centering=False"
+            )
+        if str(self.lr_scheduler_type.value if hasattr(self.lr_scheduler_type, "value") else self.lr_scheduler_type) \
+                not in _HORIZON_FREE_SCHEDULES and self.max_steps <= 0:  # fmt: skip
+            raise ValueError(
+                f"lr_scheduler_type={self.lr_scheduler_type!s} decays over max_steps, but max_steps={self.max_steps}: "
+                "the number of steps per epoch is not known ahead (forks). Set max_steps, or use "
+                "lr_scheduler_type='constant' / 'constant_with_warmup'"
+            )
+        if self.weight_sync_backend not in WEIGHT_SYNC_BACKENDS:
+            raise ValueError(
+                f"weight_sync_backend={self.weight_sync_backend!r}; expected one of {list(WEIGHT_SYNC_BACKENDS)}"
+            )
+        self.rollout_config(num_processes=1)  # the sampling checks of agrpo-rollout, named by the same fields
+
+    def _check_unsupported(self) -> None:
+        if self.deepspeed:
+            raise ValueError(
+                "DeepSpeed is not supported by AsyncGRPOTrainer; remove `deepspeed` and use FSDP2: "
+                "fsdp='full_shard' with fsdp_config={'fsdp_version': 2} (or accelerate's FSDP2 plugin)"
+            )
+        version = (self.fsdp_config or {}).get("fsdp_version", (self.fsdp_config or {}).get("version"))
+        if self.fsdp and version is not None and int(version) != 2:
+            raise ValueError(
+                f"fsdp_config fsdp_version={version}; AsyncGRPOTrainer supports FSDP2 only: set fsdp_version=2"
+            )
+        parallel = self.parallelism_config
+        if parallel is not None and (
+            getattr(parallel, "cp_size", 1) > 1 or getattr(parallel, "sp_size", 1) > 1
+        ):
+            raise ValueError(
+                "context/sequence parallelism is not supported (packed rows are not split); set cp_size=1 and sp_size=1"
+            )
+
+    def _check_positive(self) -> None:
+        at_least = {
+            "num_generations": (self.num_generations, 2),
+            "max_completion_length": (self.max_completion_length, 1),
+            "queue_maxsize": (self.queue_maxsize, 1),
+            "weight_sync_steps": (self.weight_sync_steps, 1),
+            "max_staleness": (self.max_staleness, 0),
+            "num_sampler_logprobs": (self.num_sampler_logprobs, 0),
+            "sync_parity_probe_tokens": (self.sync_parity_probe_tokens, 0),
+        }
+        if self.max_concurrent_rollouts is not None:
+            at_least["max_concurrent_rollouts"] = (self.max_concurrent_rollouts, 1)
+        for name, (value, low) in at_least.items():
+            if value < low:
+                why = " (GRPO standardises rewards within a group)" if name == "num_generations" else ""
+                raise ValueError(f"{name}={value}; it must be >= {low}{why}")
+        positive = {
+            "epsilon": self.epsilon,
+            "temperature": self.temperature,
+            "rollout_worker_timeout": self.rollout_worker_timeout,
+            "vllm_server_timeout": self.vllm_server_timeout,
+        }
+        if self.epsilon_high is not None:
+            positive["epsilon_high"] = self.epsilon_high
+        for name, value in positive.items():
+            if not value > 0:
+                raise ValueError(f"{name}={value}; it must be > 0")
+
+    # ---- what the four libraries get ---------------------------------------------------------
+
+    @property
+    def resolved_epsilon_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    def concurrency_bound(self, num_processes: int) -> int:
+        """`max_concurrent_rollouts`, or the reference's formula: the samples the trainer can consume before
+        they go stale."""
+        if self.max_concurrent_rollouts is not None:
+            return self.max_concurrent_rollouts
+        accumulation = self.gradient_accumulation_steps
+        return max(self.max_staleness, 1) * self.per_device_train_batch_size * accumulation * num_processes
+
+    def rollout_config(self, *, num_processes: int, model_name: str | None = None) -> RolloutConfig:
+        template_kwargs = self.chat_template_kwargs if isinstance(self.chat_template_kwargs, dict) else None
+        return RolloutConfig(
+            vllm_server_base_url=self.vllm_server_base_url,
+            model_name=model_name,
+            num_generations=self.num_generations,
+            max_completion_length=self.max_completion_length,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            chat_template_kwargs=template_kwargs,
+            max_tool_calling_iterations=self.max_tool_calling_iterations,
+            num_sampler_logprobs=self.num_sampler_logprobs,
+            max_concurrent_rollouts=self.concurrency_bound(num_processes),
+            vllm_server_timeout=self.vllm_server_timeout,
+            # Heartbeats ride on metric pushes: several per worker timeout.
+            metrics_interval_s=max(min(5.0, self.rollout_worker_timeout / 4), 0.05),
+        )
+
+    def packing_config(self, *, max_model_len: int | None, num_ranks: int) -> PackingConfig:
+        return PackingConfig(
+            token_budget=self.token_budget,
+            num_ranks=num_ranks,
+            max_model_len=max_model_len,
+            per_device_train_batch_size=self.per_device_train_batch_size,
+        )
+
+    def sync_config(self, *, lora_name: str = "agrpo-policy") -> WeightSyncConfig:
+        return WeightSyncConfig(
+            base_url=self.vllm_server_base_url,
+            output_dir=self.output_dir,
+            backend=self.weight_sync_backend,
+            lora_sync=self.lora_sync,
+            lora_name=lora_name,
+            max_staleness=self.max_staleness,
+            http_timeout_s=min(60.0, self.vllm_server_timeout),
+            transfer_timeout_s=self.vllm_server_timeout,
+        )
+
+    def loss_settings(self) -> LossSettings:
+        return LossSettings(
+            epsilon=self.epsilon,
+            epsilon_high=self.resolved_epsilon_high,
+            is_clip_min=self.vllm_importance_sampling_clip_min,
+            is_clip_max=self.vllm_importance_sampling_clip_max,
+            score_centering=self.score_centering,
+        )
+
+    def target_prompts(self, dataset_size: int | None) -> float:
+        """Distinct prompts to consume for `num_train_epochs`; inf when `max_steps` decides or size is unknown."""
+        if self.max_steps > 0 or not dataset_size:
+            return math.inf
+        return self.num_train_epochs * dataset_size

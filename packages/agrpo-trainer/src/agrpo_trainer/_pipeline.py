@@ -1,0 +1,136 @@
+"""`AsyncPipeline`: rank 0's end of the asynchronous pipeline, from the rollout process to packed micro-batches.
+
+Owns the wiring of a sample source (the spawned `RolloutProcess`, or a replay in tests), the background
+`MicroBatchStream`, the `PromptLedger` and the metrics that arrive from the rollout side, plus the two
+things the trainer does with them: take the next micro-batch (waiting, with health checks, and counting
+the wait as `perf/rollout_wait_s`), and settle the samples of a finished optimizer step. Does not know
+models, losses, ranks or weight sync: the trainer publishes each new policy version with `set_version`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from agrpo_packing import PackingConfig
+
+from ._metrics import MetricWindow
+from ._micro_batch_stream import MicroBatchStream, PackedMicroBatch
+from ._prompt_ledger import PromptLedger
+
+_POLL_S = 0.5
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResumePoint:
+    """Where a resumed run starts: from rollout_state.json (all zeros for a fresh run)."""
+
+    start_index: int = 0
+    base_epoch: int = 0
+    done: frozenset[tuple[int, int]] = frozenset()
+    """(epoch, row_index), run-wide epochs, already trained or empty."""
+    prompts_consumed: int = 0
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any] | None) -> ResumePoint:
+        if not state or state.get("resume_from") is None:
+            return cls(prompts_consumed=int((state or {}).get("prompts_consumed", 0)))
+        epoch, row = state["resume_from"]
+        return cls(
+            start_index=int(row),
+            base_epoch=int(epoch),
+            done=frozenset((int(e), int(r)) for e, r in state.get("done", [])),
+            prompts_consumed=int(state.get("prompts_consumed", 0)),
+        )
+
+    def loop_skip(self) -> frozenset[tuple[int, int]]:
+        """`done` in the resumed loop's own epochs (counted from its start)."""
+        return frozenset((e - self.base_epoch, r) for e, r in self.done if e >= self.base_epoch)
+
+
+class AsyncPipeline:
+    """Samples in, micro-batches out, on rank 0. `start`, `next_micro_batch`, `settle`, always `stop`."""
+
+    def __init__(
+        self, source: Any, packing: PackingConfig, *, max_staleness: int, prefetch: int, resume: ResumePoint
+    ) -> None:
+        self.source = source
+        self.ledger = PromptLedger(
+            base_epoch=resume.base_epoch, done=set(resume.done), num_consumed=resume.prompts_consumed
+        )
+        self.stream = MicroBatchStream(
+            source, packing, self.ledger, max_staleness=max_staleness, prefetch=prefetch
+        )
+        self.window = MetricWindow()
+        self.rollout_wait_s = 0.0
+        self.ended = False
+        """The source finished (every epoch drawn) and the stream is drained."""
+
+    def start(self, version: int) -> None:
+        self.source.start()
+        self.set_version(version)
+        self.stream.start()
+
+    def set_version(self, version: int) -> None:
+        """Publish a version the server serves: new groups carry it; older samples age against it."""
+        self.source.set_policy_version(version)
+        self.stream.policy_version = version
+
+    def next_micro_batch(self) -> PackedMicroBatch | None:
+        """The next packed micro-batch, or None once the stream ended; raises if the rollout side failed."""
+        start = time.perf_counter()
+        batch = self.stream.next(_POLL_S, on_wait=self.poll)
+        self.rollout_wait_s += time.perf_counter() - start
+        self.poll()
+        if batch is None:
+            self.ended = True
+        else:
+            self.stream.record_trained(batch, time.time())
+        return batch
+
+    def poll(self) -> None:
+        """Absorb group outcomes and rollout metrics; raise if the worker failed or went silent."""
+        for kind, value in self.source.drain_events():
+            if kind == "draw":
+                self.ledger.record_draw(*value)
+            elif kind == "group":
+                self.ledger.record_outcome(value)
+            elif kind == "metrics":
+                self.window.add(value)
+        self.source.check()
+
+    def settle(self, batches: list[PackedMicroBatch]) -> None:
+        """The samples of a finished optimizer step are trained."""
+        for batch in batches:
+            for sample in batch.samples:
+                self.ledger.settle(sample.epoch, sample.row_index, trained=True)
+
+    def take_metrics(self) -> dict[str, float]:
+        """Rollout-side metrics since the last call, with the stream's `sample/*` and packing overlap inputs."""
+        out = self.window.reduce()
+        stats = self.stream.take_stats()
+        out["sample/dropped_stale_total"] = float(stats.dropped_stale)
+        out["batch/dropped_oversize_total"] = float(stats.dropped_oversize)
+        if stats.time_in_queue_s:
+            out["sample/time_in_queue_s"] = float(np.mean(stats.time_in_queue_s))
+            out["sample/staleness_mean"] = float(np.mean(stats.staleness))
+            out["sample/staleness_max"] = float(np.max(stats.staleness))
+        queue_size = getattr(self.source, "queue_size", None)
+        if queue_size is not None:
+            out["sample/rollout_queue_size"] = float(queue_size())
+        out["perf/rollout_wait_s"] = self.rollout_wait_s
+        self.rollout_wait_s = 0.0
+        self._pack_intervals = stats.pack_intervals
+        out["perf/pack_s"] = sum(end - start for start, end in stats.pack_intervals)
+        return out
+
+    def pack_intervals(self) -> list[tuple[float, float]]:
+        """The packing bursts of the last `take_metrics` window (perf_counter seconds)."""
+        return getattr(self, "_pack_intervals", [])
+
+    def stop(self) -> None:
+        self.stream.stop()
+        self.source.stop()

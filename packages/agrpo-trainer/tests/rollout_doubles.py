@@ -1,0 +1,144 @@
+"""Stand-ins for the rollout side, for the trainer's tests; importable by spawned processes (pytest's
+`pythonpath` lists this folder, and spawned children inherit `sys.path`).
+
+- `ReplaySource`: fixed samples in order, then their groups' outcomes, then the end, behind the same methods
+  as `RolloutProcess`. Used where a test needs identical samples across runs (the loss normalisation and
+  the one-rank vs two-rank comparison), never in place of a server where a server is the point.
+- `ReplayTrainer`: `AsyncGRPOTrainer` reading a `ReplaySource` and pushing no weights.
+- Faults the real rollout process must survive or report: a reward that raises, a loop that blocks its
+  event loop (no heartbeat).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from agrpo_attention import enable_tree_attention, token_logprobs
+from agrpo_packing import TreeRow
+from agrpo_packing.testing import GroupShape, random_grpo_groups
+from agrpo_rollout import AsyncRolloutLoop, GroupOutcome, RolloutSample
+from agrpo_trainer import AsyncGRPOTrainer
+
+
+def fixed_samples(model: torch.nn.Module, *, num_prompts: int = 4, seed: int = 0) -> list[RolloutSample]:
+    """GRPO-shaped samples (shared prompts, multi-turn, forks) whose sampler log-probs are `model`'s own."""
+    shape = GroupShape(
+        num_prompts=num_prompts,
+        rollouts_per_prompt=4,
+        prompt_tokens=(8, 20),
+        completion_tokens=(4, 16),
+        tool_tokens=(2, 6),
+        vocab_size=model.config.vocab_size,
+        multi_turn_frac=0.5,
+    )
+    enable_tree_attention(model, "reference")
+    out = []
+    rng = np.random.default_rng(seed)
+    for pack in random_grpo_groups(shape, seed=seed):
+        row = TreeRow(0)
+        row.add(pack)
+        with torch.no_grad():
+            sampler = token_logprobs(model, row.pack()).numpy()
+        advantage = float(rng.normal())
+        out.append(
+            RolloutSample(
+                input_ids=pack.input_ids,
+                trained_mask=pack.trained_mask,
+                group_id=pack.group_id,
+                advantages=np.full(pack.num_trained, advantage, dtype=np.float32),
+                sampler_logprobs=sampler.astype(np.float32),
+                row_index=pack.group_id,
+                reward=advantage,
+                advantage=advantage,
+                enqueued_at=time.time(),
+            )
+        )
+    return out
+
+
+class ReplaySource:
+    """The samples, then one kept outcome per group, then the end; same methods as `RolloutProcess`."""
+
+    def __init__(self, samples: list[RolloutSample]) -> None:
+        self.samples = samples
+        self.version = 0
+        self._messages: list = []
+        self._events: list = []
+
+    def start(self) -> None:
+        self._messages = [("sample", s) for s in self.samples] + [("end", None)]
+        counts: dict[int, int] = {}
+        for sample in self.samples:
+            counts[sample.group_id] = counts.get(sample.group_id, 0) + 1
+        self._events = [("draw", (0, group_id)) for group_id in counts] + [
+            ("group", GroupOutcome(group_id, 0, group_id, True, "", count, None))
+            for group_id, count in counts.items()
+        ]
+
+    def set_policy_version(self, version: int) -> None:
+        self.version = version
+
+    def next_sample_message(self, timeout_s: float) -> tuple[str, Any] | None:
+        return self._messages.pop(0) if self._messages else None
+
+    def drain_events(self) -> list:
+        events, self._events = self._events, []
+        return events
+
+    def queue_size(self) -> int:
+        return len(self._messages)
+
+    def check(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        self._messages = []
+
+
+class ReplayTrainer(AsyncGRPOTrainer):
+    """Trains on `replay_samples` (set before `train()`); no server, no weight sync."""
+
+    replay_samples: list[RolloutSample] = []
+
+    def _make_sample_source(self, num_processes: int) -> ReplaySource:
+        return ReplaySource(list(self.replay_samples))
+
+    def _start_policy_sync(self):
+        return None
+
+    def _max_model_len(self):
+        return None
+
+
+def exploding_reward(completions, **columns) -> list[float]:
+    """A reward function with a bug: the trainer must stop with this traceback."""
+    raise ValueError("exploding_reward: the reward function itself failed on purpose")
+
+
+class BlockingLoop(AsyncRolloutLoop):
+    """A loop whose rollouts block the event loop (a sync call inside an async hook): no heartbeat."""
+
+    async def generate_one(self, prompt, tools, group_id=0):
+        time.sleep(3600)
+
+
+class EnvironmentReportingLoop(AsyncRolloutLoop):
+    """Fails at setup with what the rollout process's environment says about GPUs and ranks."""
+
+    async def setup(self):
+        import os
+
+        seen = {
+            k: os.environ.get(k)
+            for k in ("CUDA_VISIBLE_DEVICES", "RANK", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+        }
+        raise RuntimeError(f"rollout environment: {seen}")
+
+
+def rank_reward(completions, **columns) -> list[float]:
+    """Rewards by position in the group: every group has spread, so none is dropped (exact prompt accounting)."""
+    return [i / len(completions) for i in range(len(completions))]

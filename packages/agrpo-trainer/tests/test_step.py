@@ -1,0 +1,124 @@
+"""The micro-batch loss and its normalisation: whatever micro-batches and ranks the step's samples land in,
+every trained token weighs the same (SPEC F-LOSS). Parameters are float64; the reference attention backend
+does its own math in float32, so rows packed differently agree to ~1e-9 absolute, not to the last bit: the
+tolerance below is far from what a normalisation error would give (a factor of 2 or more)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rollout_doubles import fixed_samples
+
+from agrpo_attention import enable_tree_attention
+from agrpo_packing import PackSample, TreeRow
+from agrpo_trainer import ModelSetupError
+from agrpo_trainer._loss import LossSettings
+from agrpo_trainer._model import router_aux_loss_coef
+from agrpo_trainer._step import StepSettings, micro_batch_loss
+from tools.tiny_models import TinyModelSpec, build_model, build_tokenizer
+
+CLOSE = {"rtol": 1e-5, "atol": 1e-7}
+SETTINGS = StepSettings(
+    loss=LossSettings(epsilon=0.2, epsilon_high=0.28, is_clip_min=0.5, is_clip_max=5.0, score_centering=True),
+    temperature=1.0,
+    router_aux_loss_coef=0.0,
+    truncated_sampling=False,
+)
+
+
+@pytest.fixture(scope="module")
+def model_and_samples():
+    model = build_model(TinyModelSpec(seed=3), build_tokenizer()).double()
+    samples = fixed_samples(model, num_prompts=4, seed=1)
+    with torch.no_grad():  # move the policy off the sampler so ratios, clipping and masking all occur
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    enable_tree_attention(model, "reference")
+    return model, [PackSample(**s.pack_fields()) for s in samples]
+
+
+def _step_gradient(model, parts: list[list[list[PackSample]]]) -> torch.Tensor:
+    """parts[rank][micro_batch] = samples; returns the gradient data-parallel training would apply."""
+    total = sum(s.num_trained for rank in parts for mb in rank for s in mb)
+    world = len(parts)
+    summed = None
+    for rank in parts:
+        model.zero_grad()
+        for micro_batch in rank:
+            row = TreeRow(0)
+            row.extend(micro_batch)
+            loss, _ = micro_batch_loss(
+                model,
+                row.pack(),
+                SETTINGS,
+                step_trained_tokens=total,
+                world_size=world,
+                micro_batches_per_step=len(rank),
+            )
+            loss.backward()
+        grad = torch.cat([p.grad.flatten() for p in model.parameters()])
+        summed = grad if summed is None else summed + grad
+    return summed / world  # DDP/FSDP average gradients over ranks
+
+
+def _split(items: list, pieces: int) -> list[list]:
+    return [items[i::pieces] for i in range(pieces)]
+
+
+def test_one_two_or_four_micro_batches_and_two_ranks_give_the_same_gradient(model_and_samples):
+    model, samples = model_and_samples
+    whole = _step_gradient(model, [[samples]])
+    assert whole.abs().max() > 0
+    for micro_batches in (2, 4):
+        split = _step_gradient(model, [_split(samples, micro_batches)])
+        torch.testing.assert_close(split, whole, **CLOSE)
+    ranks = _step_gradient(model, [_split(half, 2) for half in _split(samples, 2)])
+    torch.testing.assert_close(ranks, whole, **CLOSE)
+    uneven = _step_gradient(model, [[samples[:1]], [samples[1:3], samples[3:]]])  # ranks of unequal size
+    torch.testing.assert_close(uneven, whole, **CLOSE)
+
+
+def test_an_empty_rank_still_forwards_so_collectives_line_up_and_adds_nothing(model_and_samples):
+    model, samples = model_and_samples
+    whole = _step_gradient(model, [[samples]])
+    with_idle_rank = _step_gradient(model, [[samples], [[]]])
+    torch.testing.assert_close(with_idle_rank * 2 / 2, whole, **CLOSE)
+    model.zero_grad()
+    loss, stats = micro_batch_loss(
+        model, TreeRow(0).pack(), SETTINGS, step_trained_tokens=10, world_size=2, micro_batches_per_step=1
+    )
+    loss.backward()
+    assert loss.item() == 0.0 and stats.metrics()["num_terms"] == 0
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)  # it did run a forward
+
+
+def test_router_loss_weight_follows_the_config_and_refuses_dense_models():
+    dense = build_model(TinyModelSpec(), build_tokenizer())
+    assert router_aux_loss_coef(dense, None) == 0.0
+    with pytest.raises(ModelSetupError, match="leave router_aux_loss_coef=None"):
+        router_aux_loss_coef(dense, 0.01)
+    moe = build_model(TinyModelSpec(kind="moe"), build_tokenizer())
+    moe.config.router_aux_loss_coef = 0.003
+    assert router_aux_loss_coef(moe, None) == 0.003 and router_aux_loss_coef(moe, 0.05) == 0.05
+
+
+def test_moe_router_loss_is_added_with_its_weight():
+
+    moe = build_model(
+        TinyModelSpec(kind="moe"), build_tokenizer()
+    )  # float32: no float64 grouped expert matmul
+    samples = [PackSample(**s.pack_fields()) for s in fixed_samples(moe, num_prompts=1)]
+    enable_tree_attention(moe, "reference")
+    row = TreeRow(0)
+    row.extend(samples)
+    packed = row.pack()
+    kwargs = {"step_trained_tokens": packed.num_loss_terms, "world_size": 1, "micro_batches_per_step": 2}
+    plain, _ = micro_batch_loss(moe, packed, SETTINGS, **kwargs)
+    with_router = StepSettings(
+        **{**{f: getattr(SETTINGS, f) for f in SETTINGS.__slots__}, "router_aux_loss_coef": 0.5}
+    )
+    total, _ = micro_batch_loss(moe, packed, with_router, **kwargs)
+    from agrpo_attention import token_scores
+
+    aux = token_scores(moe, packed, router_aux_loss=True).aux_loss
+    torch.testing.assert_close(total - plain, 0.5 * aux / 2)
