@@ -8,8 +8,10 @@ worker, then multiprocessing's resource tracker if this object started it). Does
 means (the trainer's `SampleStream`) nor how the loop generates (agrpo-rollout).
 
 The child starts with `CUDA_VISIBLE_DEVICES=""` and no torchrun variables, set in its environment before
-it imports anything, so a reward model that asks for a GPU runs on CPU there. Its heartbeat is a task on
-the loop's own event loop, written every second: a stuck event loop stops it, a slow trainer does not.
+it imports anything, so a reward model that asks for a GPU runs on CPU there. Its heartbeat is written by
+every push of the loop's `metrics_sink` and, between pushes (and before the first, while the loop probes
+the server), by a task on the loop's own event loop every second: a stuck event loop stops both, a slow
+trainer neither.
 """
 
 from __future__ import annotations
@@ -204,10 +206,16 @@ async def _run_loop(loop: Any, ch: _Channels) -> None:
             policy_version=lambda: ch.version.value,
             on_group=on_group,
             on_draw=lambda row_index, epoch: ch.events.put(("draw", (epoch, row_index))),
-            metrics_sink=lambda metrics: ch.events.put(("metrics", metrics)),
+            metrics_sink=lambda metrics: _push_metrics(ch, metrics),
         )
     finally:
         heart.cancel()
+
+
+def _push_metrics(ch: _Channels, metrics: dict[str, float]) -> None:
+    """The loop's `metrics_sink`: metrics to the trainer, and a heartbeat (the loop pushed, so it runs)."""
+    ch.heartbeat.value = time.time()
+    ch.events.put(("metrics", metrics))
 
 
 def _child_main(payload: bytes, ch: _Channels) -> None:

@@ -102,20 +102,13 @@ class AsyncGRPOTrainer(Trainer):
         args = args if args is not None else AsyncGRPOConfig(output_dir=f"{_short_name(model)}-AsyncGRPO")
         _check_inputs(args, train_dataset, environment_factory)
         policy, tokenizer, self.attention_backend = prepare_policy(model, args, peft_config, processing_class)
-        self.reward_funcs = (
-            reward_funcs if isinstance(reward_funcs, list) else [f for f in [reward_funcs] if f]
-        )
-        self.tools, self.environment_factory, self.prompt_dataset = (
-            list(tools or []),
-            environment_factory,
-            train_dataset,
-        )
+        self.reward_funcs = _as_list(reward_funcs)
+        self.tools, self.environment_factory = list(tools or []), environment_factory
+        self.prompt_dataset = train_dataset
         super().__init__(
             model=policy, args=args, processing_class=tokenizer, callbacks=callbacks, optimizers=optimizers
         )
-        self.loss_is_scaled_for_ga = self.model_accepts_loss_kwargs = (
-            True  # _step normalises by the step's tokens
-        )
+        self.loss_is_scaled_for_ga = self.model_accepts_loss_kwargs = True  # _step normalises by step tokens
         self.step_settings = _step_settings(args, policy)
         self._install_callbacks()
         self._pipeline: AsyncPipeline | None = None
@@ -311,6 +304,8 @@ class AsyncGRPOTrainer(Trainer):
         self._step_stats = LossStats.empty()
         if rank == 0:
             self._pipeline.settle(self._step_batches)
+            if _size(self.prompt_dataset):  # epochs are passes over the prompts, not over batches
+                self.state.epoch = self._pipeline.ledger.num_consumed / _size(self.prompt_dataset)
             self.last_step_samples = [s for b in self._step_batches for s in b.samples]
             key = self._pipeline.ledger.key
             self.last_step_prompts = sorted({key(s.epoch, s.row_index) for s in self.last_step_samples})
@@ -328,10 +323,7 @@ class AsyncGRPOTrainer(Trainer):
             control.should_training_stop = True
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        logs = {**self._window.reduce(), **logs}
-        if self._pipeline is not None:
-            logs["epoch"] = self._pipeline.ledger.num_consumed / max(_size(self.prompt_dataset) or 1, 1)
-        super().log(logs, start_time)
+        super().log({**self._window.reduce(), **logs}, start_time)
 
     def _save_checkpoint(self, model, trial) -> None:
         if self.is_world_process_zero() and self._pipeline is not None:
@@ -343,6 +335,10 @@ class AsyncGRPOTrainer(Trainer):
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         super()._save(output_dir, save_dtype_state_dict(self, state_dict))
+
+
+def _as_list(reward_funcs: Any) -> list:
+    return reward_funcs if isinstance(reward_funcs, list) else [f for f in [reward_funcs] if f]
 
 
 def _short_name(model: Any) -> str:
