@@ -55,7 +55,9 @@ def test_malformed_calls_become_plain_text(tagged_tokenizer, template_tokenizer,
 
 @pytest.mark.parametrize("kind", ["tagged", "template"])
 @pytest.mark.parametrize("body", ["5", '"add"', "[1, 2]", '{"function": 7}', '{"name": 3}'])
-def test_well_formed_json_that_is_no_call_becomes_plain_text(tagged_tokenizer, template_tokenizer, kind, body):
+def test_well_formed_json_that_is_no_call_becomes_plain_text(
+    tagged_tokenizer, template_tokenizer, kind, body
+):
     """An untrained policy emits any JSON between the tags (seen: `5`); it is a parse failure, not a crash."""
     tokenizer = template_tokenizer if kind == "template" else tagged_tokenizer
     text = f"x<tool_call>\n{body}\n</tool_call><|im_end|>"

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from agrpo_packing import PackSample
-from agrpo_rollout import AsyncRolloutLoop, TopLogprobs, TurnRecord
+from agrpo_rollout import AsyncRolloutLoop, RequestRejectedError, TopLogprobs, TurnRecord
 
 
 def add(a: int, b: int) -> int:
@@ -46,12 +46,16 @@ class ScriptedToolLoop(AsyncRolloutLoop):
         scripted = np.asarray(
             self.tokenizer.encode(self.script, add_special_tokens=False) + [self.tokenizer.eos_token_id]
         )
-        n_real, n_script = real.num_output_tokens, scripted.shape[0]
+        # A sampled special token (EOS, a tool tag) would change how the scripted call parses: drop those.
+        special = [*self.tokenizer.all_special_ids, *self.tokenizer.added_tokens_decoder]
+        plain = ~np.isin(real.output_ids, special)
+        n_real, n_script = int(plain.sum()), scripted.shape[0]
         top = real.output_sampler_logprobs
+        top = TopLogprobs(ids=top.ids[plain], logprobs=top.logprobs[plain])
         return TurnRecord(
             prompt_ids=prompt_ids,
-            output_ids=np.concatenate([real.output_ids, scripted]),
-            output_log_probs=np.concatenate([real.output_log_probs, np.zeros(n_script, np.float32)]),
+            output_ids=np.concatenate([real.output_ids[plain], scripted]),
+            output_log_probs=np.concatenate([real.output_log_probs[plain], np.zeros(n_script, np.float32)]),
             output_mask=np.concatenate([np.ones(n_real, bool), np.zeros(n_script, bool)]),
             output_sampler_logprobs=TopLogprobs(
                 ids=np.concatenate([top.ids, np.full((n_script, top.ids.shape[1]), -1)]),
@@ -312,6 +316,24 @@ def test_failures_end_the_run_with_the_original_error(server_config, tool_tokeni
     )
     with pytest.raises(OverflowError, match="queue full"):
         asyncio.run(loop.run(full_queue, metrics_sink=lambda metrics: None))
+
+
+def test_a_group_whose_adapter_left_the_server_is_dropped_as_stale_once_a_newer_version_exists(
+    server_config, tool_tokenizer, monkeypatch
+):
+    """The real server answers 404 for an adapter it does not serve (as after a LoRA window unload)."""
+    monkeypatch.setattr("agrpo_rollout._loop._RETIRED_WAIT_S", 1.0)
+    dataset = [{"prompt": _chat("q")}]
+    config = server_config(model_name="never-loaded-v{version}")
+    versions = iter([1])  # the group is dispatched at version 1; version 2 is published meanwhile
+    loop = AsyncRolloutLoop(config, tokenizer=tool_tokenizer, dataset=dataset, reward_funcs=length_reward)
+    samples, groups, metrics = _run(loop, policy_version=lambda: next(versions, 2), max_groups=1)
+    assert samples == [] and [(g.row_index, g.kept, g.reason) for g in groups] == [(0, False, "stale")]
+    assert metrics[-1]["rollout/groups_stale_total"] == 1.0
+
+    loop = AsyncRolloutLoop(config, tokenizer=tool_tokenizer, dataset=dataset, reward_funcs=length_reward)
+    with pytest.raises(RequestRejectedError, match="never-loaded-v3"):  # no newer version: a real error
+        asyncio.run(loop.run(lambda sample: None, policy_version=lambda: 3, max_groups=1))
 
 
 class ReferenceSignatureLoop(AsyncRolloutLoop):

@@ -35,6 +35,14 @@ def test_the_trained_position_is_the_first_prompt_not_done_and_stale_losses_are_
     assert state == {"resume_from": [0, 1], "done": [[0, 2], [0, 4]], "prompts_consumed": 4}
 
 
+def test_a_group_abandoned_as_stale_is_consumed_but_regenerated_after_a_resume():
+    ledger = PromptLedger()
+    ledger.record_outcome(GroupOutcome(0, 0, 0, False, "stale", 0, None))  # its adapter left the window
+    ledger.record_outcome(outcome(1, kept=False, samples=0))
+    assert ledger.num_consumed == 2
+    assert ledger.resume_state() == {"resume_from": [0, 0], "done": [[0, 1]], "prompts_consumed": 2}
+
+
 def test_a_resume_point_shifts_the_loops_epochs_and_skips_what_was_done():
     point = ResumePoint.from_state({"resume_from": [2, 7], "done": [[2, 9], [3, 0]], "prompts_consumed": 31})
     assert (point.start_index, point.base_epoch, point.prompts_consumed) == (7, 2, 31)

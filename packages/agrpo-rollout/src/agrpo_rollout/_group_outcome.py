@@ -1,7 +1,8 @@
 """`GroupOutcome`: what became of one drawn prompt, as the loop reports it to `on_group`.
 
 Owns the record. Every drawn prompt gets exactly one: kept (its samples went to the sink), dropped
-(`zero_std`, `unscorable`) or `filtered` by `filter_prompt`. Epoch counting and a trainer's resume
+(`zero_std`, `unscorable`), `filtered` by `filter_prompt`, or `stale`: the server unloaded the adapter
+of its policy version (LoRA window) before the group finished. Epoch counting and a trainer's resume
 position are built on these; the loop does not know how they are used.
 """
 
@@ -22,6 +23,6 @@ class GroupOutcome:
     """-1 for a prompt `filter_prompt` rejected."""
     kept: bool
     reason: str
-    """"" when kept; `filtered`, `zero_std` or `unscorable` otherwise."""
+    """"" when kept; `filtered`, `zero_std`, `unscorable` or `stale` otherwise."""
     num_samples: int
     group: RolloutGroup | None

@@ -5,12 +5,13 @@ Owns the overridable steps (`filter_prompt`, `generate_one`, `generate_one_turn`
 the caller passes a `sink` for samples, a `policy_version` callable, and optional `on_group` and
 `metrics_sink` callables; the trainer's rollout process wraps its multiprocessing queue in them.
 
-Data flow of `run` (every arrow is in this file):
+Data flow of `run` (every arrow but scoring is in this file):
 
     PromptSource ──filter_prompt──> dispatch ──(a live slot per rollout)──> _run_rollout
       ──generate_one──> Rollout ──build_sequences──> collected per group
-      ──score queue (score_queue_maxsize)──> _score_group: rewards, compute_advantages, keep/drop
-      ──> sink(RolloutSample) for each sequence of a kept group; on_group(GroupOutcome) for every group
+      ──score queue (score_queue_maxsize)──> GroupScoring (`_group_scoring.py`): rewards,
+      compute_advantages, keep/drop ──> sink(RolloutSample) for each sequence of a kept group;
+      on_group(GroupOutcome) for every group
 
 Customise by subclassing at module level (the loop is pickled into a spawned process) and override
 only what changes; create clients in `setup`, not `__init__`.
@@ -35,18 +36,23 @@ from ._concurrency import ConcurrencyController
 from ._config import RolloutConfig
 from ._conversation import Conversation, render_prompt, with_reset_text
 from ._environment import EnvironmentPool
-from ._group import RolloutGroup, group_advantages, is_trainable
+from ._exceptions import RequestRejectedError
+from ._group import RolloutGroup, group_advantages
 from ._group_outcome import GroupOutcome
+from ._group_scoring import GroupScoring
 from ._prompt_source import PromptSource
-from ._reward import RewardScorer, sum_rewards, with_other_sources
+from ._reward import RewardScorer
 from ._rollout import Rollout
 from ._rollout_metrics import RolloutMetrics
-from ._sample import RolloutSample, samples_from_group
+from ._sample import RolloutSample
 from ._sequence import TrainingSequence, build_sequences
 from ._toolbox import Toolbox
 from ._turn import TurnRecord
 
 logger = logging.getLogger("agrpo_rollout")
+
+_RETIRED_WAIT_S = 30.0
+"""How long a 404 for a group's adapter waits for a newer policy version before it counts as an error."""
 
 
 @dataclass(slots=True)
@@ -196,10 +202,11 @@ class AsyncRolloutLoop:
         self._environments = (
             None if self.environment_factory is None else EnvironmentPool(self.environment_factory)
         )
-        self._scorer = RewardScorer(self.reward_funcs)
+        self._scoring = GroupScoring(
+            RewardScorer(self.reward_funcs), self.metrics, self._executor, self.compute_advantages
+        )
         self._parser_kind = parser_kind(self.tokenizer)
         self._turn_takes_max_tokens = "max_tokens" in inspect.signature(self.generate_one_turn).parameters
-        self._warned_no_reward = False
 
     async def _teardown(self) -> None:
         await self.client.close()
@@ -228,9 +235,25 @@ class AsyncRolloutLoop:
         return _Finished(prompt, rollout, sequences, env_reward)
 
     async def _collect_group(
-        self, tasks: list[asyncio.Task], group: RolloutGroup, queue: asyncio.Queue
+        self,
+        tasks: list[asyncio.Task],
+        group: RolloutGroup,
+        queue: asyncio.Queue,
+        policy_version: Callable[[], int],
+        on_group: Callable | None,
     ) -> None:
-        finished = await asyncio.gather(*tasks)
+        try:
+            finished = await asyncio.gather(*tasks)
+        except RequestRejectedError as error:
+            if not await self._adapter_retired(error, group, policy_version):
+                raise
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self.metrics.groups_stale += 1
+            if on_group is not None:
+                on_group(GroupOutcome(group.row_index, group.epoch, group.group_id, False, "stale", 0, group))
+            return
         group.prompts = [f.prompt for f in finished]
         group.rollouts = [f.rollout for f in finished]
         group.completions = [f.rollout.completion for f in finished]
@@ -245,48 +268,20 @@ class AsyncRolloutLoop:
         await queue.put(group)
         self.metrics.score_block_s += time.monotonic() - blocked
 
-    async def _reward_columns(self, group: RolloutGroup) -> None:
-        columns = await self._scorer.score(
-            group.prompts, group.completions, group.completions_ids, group.reward_kwargs, self._executor
-        )
-        group.rewards_by_func = with_other_sources(columns, group.env_rewards, group.rollout_rewards)
-        if group.rewards_by_func:
-            group.rewards = sum_rewards(list(group.rewards_by_func.values()))
-            return
-        if not self._warned_no_reward:
-            logger.warning(
-                "no reward source: pass reward_funcs, an environment with get_reward, or set Rollout.reward"
-            )
-            self._warned_no_reward = True
-        group.rewards = np.full(len(group.prompts), np.nan)
-
-    async def _score_groups(self, queue: asyncio.Queue, sink: Callable, on_group: Callable | None) -> None:
-        while (group := await queue.get()) is not None:
-            self.metrics.score_wait_s.append(time.monotonic() - group.queued_at)
-            start = time.monotonic()
-            await self._reward_columns(group)
-            advantages = np.asarray(self.compute_advantages(group), dtype=np.float32)
-            kept, reason = is_trainable(group.rewards)
-            self.metrics.score_s.append(time.monotonic() - start)
-            self.metrics.record_group(group.rewards, kept, reason)
-            samples = samples_from_group(group, advantages) if kept else []
-            for sample in samples:
-                blocked = time.monotonic()
-                sample.enqueued_at = time.time()
-                result = (
-                    sink(sample)
-                    if inspect.iscoroutinefunction(sink)
-                    else await asyncio.to_thread(sink, sample)
-                )
-                if inspect.isawaitable(result):
-                    await result
-                self.metrics.backpressure_s += time.monotonic() - blocked
-            if on_group is not None:
-                on_group(
-                    GroupOutcome(
-                        group.row_index, group.epoch, group.group_id, kept, reason, len(samples), group
-                    )
-                )
+    async def _adapter_retired(
+        self, error: RequestRejectedError, group: RolloutGroup, policy_version: Callable[[], int]
+    ) -> bool:
+        """A 404 for the group's `{version}` adapter once a newer version is published: the trainer unloaded
+        it (it left the LoRA window, so its samples would be dropped as stale anyway). The trainer publishes
+        the new version just after the server loads it, so wait for that a little."""
+        if error.status_code != 404 or "{version}" not in (self.config.model_name or ""):
+            return False
+        deadline = time.monotonic() + _RETIRED_WAIT_S
+        while policy_version() <= group.model_version:
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
 
     async def _dispatch(
         self, queue: asyncio.Queue, policy_version: Callable[[], int], on_group, max_groups
@@ -315,7 +310,9 @@ class AsyncRolloutLoop:
                     group.model_version = int(policy_version())
                     POLICY_VERSION.set(group.model_version)  # copied into the group's tasks: their requests
                 tasks.append(self._spawn(self._run_rollout(draw.row, group_id)))
-            self._collectors.add(self._spawn(self._collect_group(tasks, group, queue)))
+            self._collectors.add(
+                self._spawn(self._collect_group(tasks, group, queue, policy_version, on_group))
+            )
             for collector in [c for c in self._collectors if c.done()]:
                 self._collectors.discard(collector)
                 collector.result()
@@ -377,7 +374,7 @@ class AsyncRolloutLoop:
             }
             if metrics_sink is not None:
                 watched.add(self._spawn(self._push_metrics(queue, metrics_sink)))
-            scorer = self._spawn(self._score_groups(queue, sink, on_group))
+            scorer = self._spawn(self._scoring.run(queue, sink, on_group))
             watched |= {scorer, self._spawn(self._dispatch(queue, policy_version, on_group, max_groups))}
             while not scorer.done():  # any failure (dispatch, scoring, a sink, the poller) ends the run
                 done, watched = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)

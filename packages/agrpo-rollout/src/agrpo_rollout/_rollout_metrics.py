@@ -60,6 +60,8 @@ class RolloutMetrics:
         self.kept_group_rewards: list[float] = []
         self.groups_zero_std = 0
         self.groups_dropped = 0
+        self.groups_stale = 0
+        """Groups abandoned because the server unloaded their policy version's adapter (running total)."""
 
     def record_rollout(
         self, rollout: Rollout, duration_s: float, stats: ReconcileStats, num_samples: int
@@ -101,6 +103,7 @@ class RolloutMetrics:
         out = {
             "rollout/duration_s": _mean(self.durations),
             "rollout/prompt_too_long_total": float(self.prompt_too_long_total),
+            "rollout/groups_stale_total": float(self.groups_stale),
             "rollout/turns_mean": _mean(self.turns),
             "rollout/turns_max": float(max(self.turns, default=0)),
             "rollout/samples_per_rollout": _mean(self.samples_per_rollout),

@@ -182,7 +182,8 @@ class AsyncGRPOConfig(TrainingArguments):
     sync_parity_probe_tokens: int = field(
         default=64,
         metadata=_help(
-            "After each sync, score a probe of this many tokens on server and trainer; 0 disables."
+            "After each sync, the server continues a fixed prompt (this many tokens in all) and the trainer "
+            "scores the same tokens; 0 disables."
         ),
     )
     sync_parity_threshold: float = field(

@@ -1,16 +1,22 @@
-"""`ParityProbe`: after a weight sync, does the server score a fixed text as the trainer's weights do?
+"""`ParityProbe`: after a weight sync, does the server score tokens as the trainer's weights do?
 
-Owns the post-sync parity check (SPEC F-BEYOND): a fixed probe of `num_tokens` tokens is scored on the
-server (`/v1/completions` with `prompt_logprobs`, temperature 1, so the log-probs are the raw model's)
-and by the trainer's model (one unshared row through tree attention, no autocast: the weights the server
-was sent), and `sync/logprob_max_abs_diff` is the largest gap over the probe's tokens. A silent sync
-failure (weights that did not land, a server that restarted on other weights) shows as a gap of nats; a
-dtype difference between the two sides as a small one (about 1e-5 in fp32 on both sides, up to ~0.1-0.5
-with a bf16 server). Every rank must call `trainer_logprobs` (sharded models gather in the forward); only
-rank 0 talks to the server. Does not know when syncs happen nor what to do about a gap (the trainer warns).
+Owns the post-sync parity check (SPEC F-BEYOND): the server continues a fixed prompt for about three
+quarters of `num_tokens` tokens (`/v1/completions`, temperature 1, `ignore_eos`, so the sampled tokens'
+log-probs are the raw model's), and the trainer's model scores the same prompt + continuation (one
+unshared row through tree attention, no autocast: the weights the server was sent);
+`sync/logprob_max_abs_diff` is the largest gap over the continuation. A silent sync failure (weights that
+did not land, a server that restarted on other weights) shows as a gap of nats; a dtype difference as a
+small one (about 1e-5 in fp32 on both sides, up to ~0.1-0.5 with a bf16 server). Sampled-token
+log-probs, not `prompt_logprobs`: the latter crashes vLLM's engine when a LoRA request asks for them in a
+batch with other requests (vLLM issue 29955, seen on 0.32 CPU), and sampled log-probs are the very ones
+the sampler hands the trainer. A per-call `cache_salt` keeps the prompt off KV cached under older
+weights. Only rank 0 talks to the server; every rank scores (sharded models gather in the forward). Does
+not know when syncs happen nor what to do about a gap (the trainer warns).
 """
 
 from __future__ import annotations
+
+import os
 
 import httpx
 import numpy as np
@@ -34,45 +40,50 @@ def probe_token_ids(tokenizer, num_tokens: int) -> list[int]:
 
 
 class ParityProbe:
-    """Scores `token_ids` on the server and with the trainer's model."""
+    """Samples a continuation of a fixed prompt on the server and scores it with the trainer's model."""
 
     def __init__(self, base_url: str, token_ids: list[int], *, timeout_s: float = 60.0) -> None:
         if len(token_ids) < 2:
-            raise ValueError("the parity probe needs at least 2 tokens (the first has no log-prob)")
+            raise ValueError("the parity probe needs at least 2 tokens (a prompt token and one to sample)")
         self.base_url = base_url.rstrip("/")
-        self.token_ids = [int(t) for t in token_ids]
+        self.prompt_ids = [int(t) for t in token_ids[: max(1, len(token_ids) // 4)]]
+        self.num_sampled = len(token_ids) - len(self.prompt_ids)
         self.timeout_s = timeout_s
+        self._calls = 0
 
-    def server_logprobs(self, model_name: str) -> np.ndarray:
-        """(n - 1,) log-probs the server gives tokens 1..n-1 of the probe under `model_name`."""
+    def server_sample(self, model_name: str) -> tuple[list[int], np.ndarray]:
+        """(continuation ids, their (k,) log-probs) as the server samples them under `model_name`."""
+        self._calls += 1
         body = {
             "model": model_name,
-            "prompt": self.token_ids,
-            "max_tokens": 1,
+            "prompt": self.prompt_ids,
+            "max_tokens": self.num_sampled,
             "temperature": 1.0,
-            "prompt_logprobs": 0,
+            "ignore_eos": True,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "cache_salt": f"agrpo-parity-{os.getpid()}-{self._calls}",
         }
         with httpx.Client(timeout=self.timeout_s) as client:
             response = client.post(f"{self.base_url}/v1/completions", json=body)
         response.raise_for_status()
-        entries = response.json()["choices"][0]["prompt_logprobs"][1:]
-        out = np.empty(len(entries), dtype=np.float64)
-        for i, (token, entry) in enumerate(zip(self.token_ids[1:], entries, strict=True)):
-            out[i] = _logprob_of(entry, token)
-        return out
+        choice = response.json()["choices"][0]
+        ids = [int(t) for t in choice["token_ids"]]
+        return ids, np.asarray(choice["logprobs"]["token_logprobs"][: len(ids)], dtype=np.float64)
 
     @torch.no_grad()
-    def trainer_logprobs(self, model: torch.nn.Module) -> np.ndarray:
-        """(n - 1,) log-probs the trainer's tree-enabled model gives the same tokens, without autocast."""
+    def trainer_logprobs(self, model: torch.nn.Module, continuation: list[int]) -> np.ndarray:
+        """(k,) log-probs the trainer's tree-enabled model gives `continuation` after the prompt, no autocast."""
         row = TreeRow(0)
-        n = len(self.token_ids)
+        ids = self.prompt_ids + list(continuation)
+        n, k = len(ids), len(continuation)
         row.add(
             PackSample(
-                input_ids=self.token_ids,
-                trained_mask=[False] + [True] * (n - 1),
+                input_ids=ids,
+                trained_mask=[False] * (n - k) + [True] * k,
                 group_id=0,
-                advantages=np.zeros(n - 1),
-                sampler_logprobs=np.zeros(n - 1),
+                advantages=np.zeros(k),
+                sampler_logprobs=np.zeros(k),
             )
         )
         was_training = model.training
@@ -84,11 +95,3 @@ class ParityProbe:
         finally:
             model.train(was_training)
         return values.double().cpu().numpy()
-
-
-def _logprob_of(entry: dict, token: int) -> float:
-    """The log-prob of `token` in one `prompt_logprobs` entry (keys are ids, or `token_id:N` strings)."""
-    for key, value in entry.items():
-        if str(key).removeprefix("token_id:") == str(token):
-            return float(value["logprob"] if isinstance(value, dict) else value)
-    raise ValueError(f"prompt_logprobs entry has no log-prob for token {token}: keys {list(entry)[:5]}")

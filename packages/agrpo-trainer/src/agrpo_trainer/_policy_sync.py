@@ -20,6 +20,7 @@ import torch.distributed as dist
 from agrpo_sync import WeightSync, WeightSyncConfig
 
 from ._parity_probe import ParityProbe
+from ._ranks import share
 
 logger = logging.getLogger("agrpo_trainer")
 
@@ -81,10 +82,11 @@ class PolicySync:
         return metrics
 
     def _parity(self, model: torch.nn.Module) -> dict[str, float]:
-        trainer_side = self.probe.trainer_logprobs(model)  # every rank: sharded models gather here
+        sampled = self.probe.server_sample(self.served_model()) if _is_main_rank() else None
+        continuation, server_side = share(sampled)
+        trainer_side = self.probe.trainer_logprobs(model, continuation)  # every rank: sharded models gather
         if not _is_main_rank():
             return {}
-        server_side = self.probe.server_logprobs(self.served_model())
         gap = float(np.max(np.abs(server_side - trainer_side)))
         if gap > self.threshold:
             logger.warning(

@@ -7,7 +7,8 @@ counted from the start of the run (a resumed loop's epochs are shifted by the le
   fewer than two scorable rollouts);
 - done, trained: every sample of its kept group was settled and at least one was trained in a finished
   optimizer step;
-- lost: every sample was settled but none trained (all dropped as stale): consumed for epoch counting,
+- lost: every sample was settled but none trained (all dropped as stale), or its group was abandoned as
+  `stale` (its LoRA adapter version was unloaded mid-generation): consumed for epoch counting,
   but regenerated after a resume (it was never trained);
 - open: drawn (`record_draw`, when the loop dispatches its group), not settled yet. A group that never
   finishes (a stuck request, a stopped run) keeps its prompt open, so a resume regenerates it.
@@ -65,8 +66,8 @@ class PromptLedger:
         """A `GroupOutcome` from the rollout process (filtered, dropped or kept with its sample count)."""
         with self._lock:
             prompt = self._prompts.setdefault(self.key(outcome.epoch, outcome.row_index), _Prompt())
-            if not outcome.kept or outcome.num_samples == 0:
-                self._finish(prompt, done=True)
+            if not outcome.kept or outcome.num_samples == 0:  # a stale group was never trained: lost
+                self._finish(prompt, done=outcome.reason != "stale")
                 return
             prompt.expected = outcome.num_samples
             self._maybe_finish(prompt)

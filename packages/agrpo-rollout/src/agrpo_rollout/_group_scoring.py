@@ -1,0 +1,86 @@
+"""`GroupScoring`: the stage after generation: a collected group's rewards, advantages, keep or drop.
+
+Owns what happens to a finished group on the loop's score queue: reward columns from every source (reward
+functions in the loop's thread pool, environments, `Rollout.reward`), `compute_advantages`, the keep rule
+(`is_trainable`), the samples handed to the sink (which may block: `rollout/backpressure_s`) and the
+group's `GroupOutcome`. Does not generate, dispatch or know the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+
+import numpy as np
+
+from ._group import RolloutGroup, is_trainable
+from ._group_outcome import GroupOutcome
+from ._reward import RewardScorer, sum_rewards, with_other_sources
+from ._rollout_metrics import RolloutMetrics
+from ._sample import samples_from_group
+
+logger = logging.getLogger("agrpo_rollout")
+
+
+class GroupScoring:
+    """Scores the groups of a score queue until it yields None."""
+
+    def __init__(
+        self,
+        scorer: RewardScorer,
+        metrics: RolloutMetrics,
+        executor: Executor,
+        compute_advantages: Callable[[RolloutGroup], np.ndarray],
+    ) -> None:
+        self.scorer = scorer
+        self.metrics = metrics
+        self.executor = executor
+        self.compute_advantages = compute_advantages
+        self._warned_no_reward = False
+
+    async def run(self, queue: asyncio.Queue, sink: Callable, on_group: Callable | None) -> None:
+        while (group := await queue.get()) is not None:
+            self.metrics.score_wait_s.append(time.monotonic() - group.queued_at)
+            start = time.monotonic()
+            await self._reward_columns(group)
+            advantages = np.asarray(self.compute_advantages(group), dtype=np.float32)
+            kept, reason = is_trainable(group.rewards)
+            self.metrics.score_s.append(time.monotonic() - start)
+            self.metrics.record_group(group.rewards, kept, reason)
+            samples = samples_from_group(group, advantages) if kept else []
+            for sample in samples:
+                blocked = time.monotonic()
+                sample.enqueued_at = time.time()
+                result = (
+                    sink(sample)
+                    if inspect.iscoroutinefunction(sink)
+                    else await asyncio.to_thread(sink, sample)
+                )
+                if inspect.isawaitable(result):
+                    await result
+                self.metrics.backpressure_s += time.monotonic() - blocked
+            if on_group is not None:
+                on_group(
+                    GroupOutcome(
+                        group.row_index, group.epoch, group.group_id, kept, reason, len(samples), group
+                    )
+                )
+
+    async def _reward_columns(self, group: RolloutGroup) -> None:
+        columns = await self.scorer.score(
+            group.prompts, group.completions, group.completions_ids, group.reward_kwargs, self.executor
+        )
+        group.rewards_by_func = with_other_sources(columns, group.env_rewards, group.rollout_rewards)
+        if group.rewards_by_func:
+            group.rewards = sum_rewards(list(group.rewards_by_func.values()))
+            return
+        if not self._warned_no_reward:
+            logger.warning(
+                "no reward source: pass reward_funcs, an environment with get_reward, or set Rollout.reward"
+            )
+            self._warned_no_reward = True
+        group.rewards = np.full(len(group.prompts), np.nan)
