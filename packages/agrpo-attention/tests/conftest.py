@@ -3,14 +3,17 @@
 Rows come from agrpo-packing's public API only (`TreeRow`, `agrpo_packing.testing`), as production
 rows do. `visibility_from_paths` reads the layout contract literally (every segment attends to its
 `kv_index` path, causal aligned bottom-right) so backends can be checked against a dense mask.
+`cuda_like` is the CPU seam of the GPU-only varlen path: CI has no GPU, so the backend selection and
+dtype handling of `varlen` and `adaptive` run on CPU against a kernel twin that refuses what FA2 refuses.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from agrpo_packing import PackedRow, TreeRow
+from agrpo_packing import PackedRow, PackSample, TreeRow
 from agrpo_packing.testing import GroupShape, random_grpo_groups
 from tools.tiny_models import TinyModelSpec, build_model, build_tokenizer
 
@@ -48,12 +51,52 @@ def seeded_row(seed: int, *, share: bool = True, **shape) -> PackedRow:
     return row.pack()
 
 
+def half_only_varlen_kernel(self, q, k, v, layout, *, scaling, softcap):
+    """CPU twin of torch's varlen_attn (FA2): same contract, and the same refusal of anything but one
+    fp16/bf16 dtype for q, k and v (the GPU error the twin stands in for is quoted)."""
+    from agrpo_attention._backends.cascade import _math_forward
+
+    if q.dtype not in (torch.float16, torch.bfloat16) or not q.dtype == k.dtype == v.dtype:
+        raise RuntimeError(
+            f"FlashAttention only supports fp16 and bf16 data type (q {q.dtype}, k {k.dtype}, v {v.dtype})"
+        )
+    return _math_forward(q, k, v, layout.q_offsets, layout.kv_offsets, True, scaling)[0]
+
+
+@pytest.fixture
+def cuda_like(monkeypatch):
+    """`varlen`, and so `adaptive`, runnable on CPU through `half_only_varlen_kernel`."""
+    from agrpo_attention._backends.varlen import VarlenBackend
+
+    monkeypatch.setattr(VarlenBackend, "unavailable_reason", lambda self, device: None)
+    monkeypatch.setattr(VarlenBackend, "_kernel", half_only_varlen_kernel)
+
+
+def shared_row(prompt_tokens: int = 40, completions: int = 8) -> PackedRow:
+    """One long prompt under many short completions: K/V path tokens per packed token ~5 (adaptive: flex)."""
+    row = TreeRow(0)
+    for c in range(completions):
+        ids = np.concatenate([np.arange(prompt_tokens) % 500 + 1, [c + 1, c + 2, c + 3]])
+        mask = np.arange(ids.size) >= prompt_tokens
+        row.add(
+            PackSample(
+                input_ids=ids,
+                trained_mask=mask,
+                group_id=0,
+                advantages=np.ones(3),
+                sampler_logprobs=np.zeros(3),
+            )
+        )
+    return row.pack()
+
+
 class Trees:
     """The helpers above, handed to tests as one fixture (test modules cannot import each other here)."""
 
     visibility_from_paths = staticmethod(visibility_from_paths)
     seeded_samples = staticmethod(seeded_samples)
     random_row = staticmethod(seeded_row)
+    shared_row = staticmethod(shared_row)
 
 
 @pytest.fixture(scope="session")

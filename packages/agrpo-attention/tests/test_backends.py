@@ -69,7 +69,6 @@ def _assert_same_outputs_and_grads(out, expected, inputs, *, grad_atol: float) -
 
 def test_auto_on_cpu_is_reference_and_gpu_backends_refuse_clearly():
     assert resolve_backend("auto", "cpu", needs_softcap=False).name == "reference"
-    assert available_backends("cpu") == ["reference", "flex"]
     for name in ("varlen", "fa3", "fa4", "aiter"):
         with pytest.raises(BackendUnavailableError, match=f"backend='{name}' cannot run here"):
             resolve_backend(name, "cpu", needs_softcap=False)
@@ -151,3 +150,39 @@ def test_adaptive_picks_varlen_for_rows_that_share_little_and_flex_for_rows_that
     assert resolve_backend("auto", "cpu", needs_softcap=False).name == "reference"
     with pytest.raises(BackendUnavailableError, match="backend='adaptive' cannot run here"):
         resolve_backend("adaptive", "cpu", needs_softcap=False)
+
+
+def test_available_backends_lists_what_can_train_and_forward_only_ones_on_request():
+    """FlexAttention has no backward on CPU: it is listed for inference only, and the listing says so."""
+    assert available_backends("cpu") == ["reference"]
+    assert available_backends("cpu", training=False) == ["reference", "flex"]
+    assert BACKENDS["flex"].forward_only_on == ("cpu",)
+    assert all(not b.forward_only_on for name, b in BACKENDS.items() if name not in ("flex", "adaptive"))
+
+
+def test_flex_on_cpu_really_has_no_backward_and_refuses_training_naming_reference(trees):
+    """The listing above is a fact about torch (this test fails when torch adds a CPU backward), and
+    training through flex on CPU is refused with the backend that trains there."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    row = trees.random_row(0, vocab=512)
+    q, k, v = (x.requires_grad_() for x in random_qkv(row, 0, num_kv_heads=4, dtype=torch.float32))
+    with pytest.raises(NotImplementedError, match="backward on CPU"):
+        flex_attention(q, k, v)
+    with pytest.raises(BackendUnavailableError, match="backend='reference'"):
+        build_tree_plan(row, backend="flex").attend(q, k, v)
+
+
+def test_auto_skips_backends_that_cannot_run_the_model_dtype(monkeypatch):
+    """On CUDA a float32 model (no autocast) must not get a half-precision-only kernel: FA3 (made available
+    here as if installed on Hopper) is skipped for adaptive, which runs float32 rows through flex."""
+    from agrpo_attention._backends.fa3 import FA3Backend
+
+    monkeypatch.setattr(FA3Backend, "unavailable_reason", lambda self, device: None)
+    assert resolve_backend("auto", "cuda", needs_softcap=False, dtype=torch.bfloat16).name == "fa3"
+    assert resolve_backend("auto", "cuda", needs_softcap=False, dtype=torch.float32).name == "adaptive"
+    half = (torch.float16, torch.bfloat16)
+    assert {n for n, b in BACKENDS.items() if b.input_dtypes == half} == {"varlen", "fa3", "fa4", "aiter"}
+    assert all(BACKENDS[n].input_dtypes is None for n in ("reference", "flex", "cascade", "adaptive"))
+    # an explicit name is not refused for float32 weights: autocast may cast q/k/v at run time
+    assert resolve_backend("fa3", "cuda", needs_softcap=False, dtype=torch.float32).name == "fa3"

@@ -25,6 +25,16 @@ def test_enable_switches_attention_and_records_the_backend(tiny_dense):
     assert enable_tree_attention(model, "reference") == "reference"  # idempotent
 
 
+def test_auto_picks_by_the_model_dtype(cuda_like, tiny_dense, monkeypatch):
+    """The selection `enable_tree_attention` makes on CUDA, on CPU: a half-precision-only backend first in
+    the auto order is taken for a bf16 model and skipped for a float32 one."""
+    from agrpo_attention._backends import AUTO_ORDER
+
+    monkeypatch.setitem(AUTO_ORDER, "cpu", ("varlen", "reference"))
+    assert enable_tree_attention(copy.deepcopy(tiny_dense), "auto") == "reference"
+    assert enable_tree_attention(copy.deepcopy(tiny_dense).to(torch.bfloat16), "auto") == "varlen"
+
+
 def test_forward_without_a_plan_and_logprobs_before_enabling_are_refused(tiny_dense, trees):
     row = trees.random_row(0, vocab=512)
     with pytest.raises(ValueError, match="enable_tree_attention"):

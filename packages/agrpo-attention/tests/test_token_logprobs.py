@@ -374,3 +374,53 @@ def test_moe_router_aux_loss_of_one_unshared_sample_equals_the_stock_forward():
     (direct.aux_loss + want_logprobs.sum()).backward()
     pairs = zip(tree.named_parameters(), stock.named_parameters(), strict=True)
     assert_gradients_close({name: (_grad(p), _grad(q)) for (name, p), (_, q) in pairs}, rtol=1e-4)
+
+
+# The fused LM head: logits exist one chunk at a time; it must equal the model's own logits path.
+
+
+def _scores_and_gradients(model, packed, weights, *, autocast: bool):
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        scores = token_scores(model, packed, temperature=0.7, top_ids=True, candidate_sets=True)
+    outputs = (scores.logprobs, scores.top_logprobs, scores.candidate_logsumexp)
+    top = torch.where(torch.isfinite(outputs[1]), outputs[1], 0.0)
+    (weights[0] * outputs[0] + (weights[1] * top).sum(1) + weights[2] * outputs[2]).sum().backward()
+    return outputs, {name: _grad(p) for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_fused_head_never_builds_full_logits_and_equals_the_models_own_logits(
+    tiny_dense, trees, monkeypatch, autocast
+):
+    monkeypatch.setattr(token_logprobs_module, "_CHUNK_BYTES", 512 * 5)  # the fused head: 5 rows per chunk
+    model = copy.deepcopy(tiny_dense)
+    enable_tree_attention(model, "reference")
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # tied: grads add up
+    row = TreeRow(0)
+    row.extend(with_sampler_data(trees.seeded_samples(3, vocab=512), seed=4))
+    packed = row.pack()
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(s, generator=generator) for s in ((packed.num_loss_terms,), packed.sampler_top_ids.shape,
+                                                            (packed.num_loss_terms,))]  # fmt: skip
+    seen = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda _, args, out: seen.append(out.shape))
+    fused, fused_grads = _scores_and_gradients(model, packed, weights, autocast=autocast)
+    hook.remove()
+    assert seen == [torch.Size([1, 0, 512])], "the head is handed no positions: no (M, V) logits"
+    monkeypatch.setattr(token_logprobs_module, "_fusable_head", lambda model: None)
+    plain, plain_grads = _scores_and_gradients(model, packed, weights, autocast=autocast)
+    atol, rtol = (1e-6, 1e-2) if autocast else (2e-5, 1e-4)  # bf16 gradient matmuls round differently
+    for a, b in zip(fused, plain, strict=True):
+        torch.testing.assert_close(a, b, atol=atol, rtol=0)
+    assert_gradients_close({name: (fused_grads[name], plain_grads[name]) for name in fused_grads}, rtol=rtol)
+
+
+def test_heads_with_logit_transforms_or_bias_use_the_models_own_logits(tiny_dense):
+    model = copy.deepcopy(tiny_dense)
+    assert token_logprobs_module._fusable_head(model) is model.get_output_embeddings()
+    model.config.final_logit_softcapping = 30.0  # Gemma-style: logits change after the head
+    assert token_logprobs_module._fusable_head(model) is None
+    model.config.final_logit_softcapping = None
+    model.lm_head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
+    assert token_logprobs_module._fusable_head(model) is None

@@ -62,7 +62,7 @@ def test_token_budget_plans_place_every_kept_sample_once_within_budget(samples, 
     _check_plan(samples, batches, config)
     dropped = sum(_forwarded(s) > budget for s in samples)
     assert planner.dropped_oversize_total == dropped == len(caught)
-    assert sum(b.metrics()["batch/dropped_oversize_total"] for b in batches) <= dropped
+    assert sum(b.metrics()["batch/dropped_oversize_total"] for b in batches) == dropped
 
 
 @PROPERTY
@@ -138,6 +138,18 @@ def test_oversize_samples_are_dropped_counted_and_warned_about():
     batch = planner.flush()
     assert planner.dropped_oversize_total == 1 and batch.metrics()["batch/dropped_oversize_total"] == 1
     assert batch.rows[0].num_tokens == 10
+
+
+def test_a_step_of_only_oversize_samples_still_reports_its_drops():
+    planner = Planner(PackingConfig(token_budget=10, num_ranks=2))
+    with pytest.warns(RuntimeWarning, match="raise token_budget"):
+        batches = planner.plan([_sample(12, group_id=0, token=1), _sample(20, group_id=1, token=2)])
+    assert len(batches) == 1, "a micro-batch with no rows' worth of samples carries the drop count"
+    (batch,) = batches
+    assert batch.metrics()["batch/dropped_oversize_total"] == 2
+    assert batch.num_samples == batch.num_loss_terms == 0 and all(row.is_empty for row in batch.rows)
+    assert [p.num_tokens for p in batch.pack()] == [0, 0]
+    assert planner.flush() is None, "the drops are reported once"
 
 
 def test_flush_splits_a_lone_group_across_idle_ranks():

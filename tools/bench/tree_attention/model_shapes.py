@@ -1,7 +1,8 @@
-"""Random transformers models of the benchmark's shapes: Qwen3-0.6B/1.7B dense, a Qwen3.5-style hybrid, tiny twins.
+"""Random transformers models of the benchmark's shapes: Qwen3-0.6B/1.7B/4B dense, a Qwen3.5-style hybrid, tiny twins.
 
 Owns the configurations. The dense shapes are Qwen3-1.7B's and Qwen3-0.6B's published ones (28 layers,
-hidden 2048 / 1024, MLP 6144 / 3072, 16 query / 8 KV heads of 128, vocab 151936, tied embeddings). The hybrid is a 2B-class shape
+hidden 2048 / 1024, MLP 6144 / 3072, 16 query / 8 KV heads of 128, vocab 151936, tied embeddings) and
+Qwen3-4B's (36 layers, hidden 2560, MLP 9728, 32 query / 8 KV heads of 128, tied). The hybrid is a 2B-class shape
 assumed in the Qwen3.5 style (3 Gated DeltaNet layers to 1 gated full-attention layer, hidden 2048,
 MLP 6144, 8 query / 2 KV heads of 256, 16 key and 16 value linear heads of 128, vocab 248320); it is
 not a published checkpoint's config. Small and tiny shapes serve parity checks and CPU smoke
@@ -16,6 +17,8 @@ import torch
 SHAPES: dict[str, dict] = {
     "qwen3-1.7b": dict(kind="dense", hidden=2048, mlp=6144, layers=28, heads=16, kv_heads=8, head_dim=128,
                        vocab=151936),
+    "qwen3-4b": dict(kind="dense", hidden=2560, mlp=9728, layers=36, heads=32, kv_heads=8, head_dim=128,
+                     vocab=151936),
     "qwen3-0.6b": dict(kind="dense", hidden=1024, mlp=3072, layers=28, heads=16, kv_heads=8, head_dim=128,
                        vocab=151936),
     "qwen3.5-hybrid-2b": dict(kind="hybrid", hidden=2048, mlp=6144, layers=24, heads=8, kv_heads=2, head_dim=256,

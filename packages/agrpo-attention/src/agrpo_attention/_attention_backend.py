@@ -23,6 +23,10 @@ class AttentionBackend(Protocol):
     """Name users pass to `enable_tree_attention(model, backend=...)`."""
     supports_softcap: bool
     """Whether `attend` honours `softcap` (models with `attn_logit_softcapping` need it)."""
+    input_dtypes: tuple[torch.dtype, ...] | None
+    """The q/k/v dtypes `attend` runs (flash kernels: fp16 and bf16); None = any floating dtype."""
+    forward_only_on: tuple[str, ...]
+    """Device types where `attend` has no backward (usable for inference there, not for training)."""
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         """None if the backend runs on `device` here, else why not and how to fix it."""

@@ -85,6 +85,12 @@ def _deltanet_modules(model: torch.nn.Module, config) -> list[tuple[str, torch.n
     return found
 
 
+def _parameter_dtype(model: torch.nn.Module) -> torch.dtype | None:
+    """The dtype of the model's first floating-point parameter (its embedding): what attention sees
+    without autocast. None when no parameter is floating point (nothing to decide by)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+
+
 def _tree_or_stock_forward(self, hidden_states, *args, tree_plan=None, **kwargs):
     """Forward of a patched Gated DeltaNet module: the tree path with a plan, the class's own without."""
     if tree_plan is None:
@@ -103,13 +109,15 @@ def enable_tree_attention(
     model: torch.nn.Module, backend: str = "auto", *, deltanet_kernel: str = "auto"
 ) -> str:
     """Switch `model` (a transformers causal LM, already on its device) to tree attention; returns the backend
-    name chosen. `backend`: "auto", "reference", "flex", "varlen", "cascade", "adaptive", "fa3", "fa4" or "aiter". `deltanet_kernel`
-    (hybrids only): "auto" ("fla" on CUDA with fla-core installed, else "torch"), "torch" or "fla"."""
+    name chosen. `backend`: "auto", "reference", "flex", "varlen", "cascade", "adaptive", "fa3", "fa4" or "aiter";
+    "auto" picks by device and by the parameters' dtype (float32 weights never get a half-precision-only
+    kernel). `deltanet_kernel` (hybrids only): "auto" ("fla" on CUDA with fla-core installed, else "torch"),
+    "torch" or "fla"."""
     config = _text_config(model)
     deltanets = _deltanet_modules(model, config)
     device = next(model.parameters()).device
     needs_softcap = bool(getattr(config, "attn_logit_softcapping", None))
-    chosen = resolve_backend(backend, device, needs_softcap=needs_softcap)
+    chosen = resolve_backend(backend, device, needs_softcap=needs_softcap, dtype=_parameter_dtype(model))
     kernel = resolve_delta_rule_kernel(deltanet_kernel, device) if deltanets else None
     if not type(model)._can_set_attn_implementation():
         raise UnsupportedModelError(

@@ -1,15 +1,18 @@
 """`token_scores`: what the loss needs from one packed-row forward, differentiable; `token_logprobs` is its
 first field.
 
-Owns the forward call (input ids, depths as position ids, the tree plan, logits only at the M positions
-`token_index` names, via transformers' `logits_to_keep`; `output_router_logits` when the router aux
-loss is asked) and `_GatheredLogSoftmax`, an autograd function that turns (M, V) logits into gathered
-log-probs without an fp32 (M, V) copy. One pass over row chunks of ~256 MiB of fp32 logits computes each
-row's logsumexp once and, from it, the log-probs of the target, of the sampler's top-K ids and the
-logsumexp over the term's sampling set (top-k/top-p candidates); backward rebuilds softmax chunk by
-chunk. Extra memory beyond the logits and their gradient: one chunk, plus (M, 1 + K + S) ids and
-log-probs (S = the largest sampling set of the row, padded). Does not know the loss (advantages,
-ratios, clipping) nor how the row was packed.
+Owns the forward call (input ids, depths as position ids, the tree plan, the hidden states of only the M
+positions `token_index` names, via transformers' `logits_to_keep`; `output_router_logits` when the router
+aux loss is asked) and the log-softmax over the vocabulary. When the LM head is a plain linear map
+(`_fusable_head`: no softcapping or scaling after it, not an FSDP2 shard), `_HeadGatheredLogSoftmax`
+fuses it in: a forward pre-hook hands the head an empty slice and keeps its input, and logits exist only
+one chunk of rows (~1 GiB of fp32) at a time, in forward and again (recomputed) in backward, so neither
+(M, V) logits nor their gradient are ever materialised (a 16k-term row of a 152k vocabulary saves about
+10 GB of bf16 logits and gradient). Otherwise `_GatheredLogSoftmax` works on the model's (M, V) logits,
+without an fp32 (M, V) copy. Per chunk, each row's logsumexp is computed once and from it the log-probs
+of the target, of the sampler's top-K ids and the logsumexp over the term's sampling set (top-k/top-p
+candidates); backward rebuilds softmax chunk by chunk. Does not know the loss (advantages, ratios,
+clipping) nor how the row was packed.
 
 Legend: N = packed tokens, M = loss terms, V = vocabulary, K = sampler top-K, C = gathered columns,
 S = largest sampling set.
@@ -27,7 +30,37 @@ from ._model_patch import _text_config, tree_settings
 from ._tree_plan import TreePlan, build_tree_plan
 
 _CHUNK_BYTES = 1 << 28
+"""fp32 logits per chunk of the log-softmax over given logits; the fused head takes 4x: each of its chunks
+also adds a (V, H) weight-gradient product, which needs rows to be efficient (measured on an H200)."""
 _ROUTER_FIELDS = ("num_experts", "num_local_experts", "router_aux_loss_coef")
+_LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0}
+"""Config fields of transformers models that change logits after the LM head, and their no-op values."""
+
+
+def _chunk_rows(vocab: int, budget: int | None = None) -> int:
+    """Rows per chunk: about `budget` (default `_CHUNK_BYTES`) of fp32 logits."""
+    return max(1, (_CHUNK_BYTES if budget is None else budget) // (4 * vocab))
+
+
+def _score_chunk(x, ids, set_ids):
+    """x (R, V) tempered fp32 logits -> (lse (R,), gathered (R, C), set logsumexp (R,), 0 for no set)."""
+    lse = torch.logsumexp(x, -1)
+    gathered = _masked_gather(x, ids) - lse[:, None]
+    in_set = torch.logsumexp(_masked_gather(x, set_ids), -1) - lse
+    return lse, gathered, torch.where((set_ids >= 0).any(1), in_set, 0.0)
+
+
+def _chunk_grad(x, ids, set_ids, lse, set_lse, grad, grad_set):
+    """d(sum grad * gathered + grad_set * set_lse) / dx for one chunk of tempered logits; x is overwritten."""
+    g = torch.where(ids >= 0, grad.to(lse.dtype), 0.0)
+    g_set = torch.where((set_ids >= 0).any(1), grad_set.to(lse.dtype), 0.0)
+    lse = lse[:, None]
+    # d set_lse / dx = renormalised softmax on the set - softmax; d gathered / dx = onehot - softmax
+    in_set = torch.exp(_masked_gather(x, set_ids) - lse - set_lse[:, None]) * g_set[:, None]
+    grads = x.sub_(lse).exp_().mul_(-(g.sum(1) + g_set)[:, None])
+    grads.scatter_add_(1, ids.clamp(min=0), g)
+    grads.scatter_add_(1, set_ids.clamp(min=0), in_set)
+    return grads
 
 
 class _GatheredLogSoftmax(torch.autograd.Function):
@@ -37,19 +70,16 @@ class _GatheredLogSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, ids_MC, set_ids_MS, temperature):
         compute = torch.promote_types(logits.dtype, torch.float32)
-        num_rows = logits.shape[0]
-        rows = max(1, _CHUNK_BYTES // (4 * logits.shape[1]))
+        num_rows, rows = logits.shape[0], _chunk_rows(logits.shape[1])
         lse_M = logits.new_empty(num_rows, dtype=compute)
         set_lse_M = logits.new_empty(num_rows, dtype=compute)
         gathered_MC = logits.new_empty(ids_MC.shape, dtype=compute)
         for start in range(0, num_rows, rows):
             chunk = slice(start, start + rows)
             x = logits[chunk].to(compute) / temperature
-            lse = torch.logsumexp(x, -1)
-            lse_M[chunk] = lse
-            gathered_MC[chunk] = _masked_gather(x, ids_MC[chunk]) - lse[:, None]
-            in_set = torch.logsumexp(_masked_gather(x, set_ids_MS[chunk]), -1) - lse
-            set_lse_M[chunk] = torch.where((set_ids_MS[chunk] >= 0).any(1), in_set, 0.0)
+            lse_M[chunk], gathered_MC[chunk], set_lse_M[chunk] = _score_chunk(
+                x, ids_MC[chunk], set_ids_MS[chunk]
+            )
         ctx.save_for_backward(logits, ids_MC, set_ids_MS, lse_M, set_lse_M)
         ctx.temperature, ctx.rows = temperature, rows
         return gathered_MC, set_lse_M
@@ -60,17 +90,55 @@ class _GatheredLogSoftmax(torch.autograd.Function):
         grad_logits = torch.empty_like(logits)
         for start in range(0, logits.shape[0], ctx.rows):
             chunk = slice(start, start + ctx.rows)
-            ids, set_ids, lse = ids_MC[chunk], set_ids_MS[chunk], lse_M[chunk, None]
-            g = torch.where(ids >= 0, grad_MC[chunk].to(lse.dtype), 0.0)
-            g_set = torch.where((set_ids >= 0).any(1), grad_set_M[chunk].to(lse.dtype), 0.0)
-            x = logits[chunk].to(lse.dtype) / ctx.temperature  # a fresh chunk: the ops below are in place
-            # d set_lse / dx = renormalised softmax on the set - softmax; d gathered / dx = onehot - softmax
-            in_set = torch.exp(_masked_gather(x, set_ids) - lse - set_lse_M[chunk, None]) * g_set[:, None]
-            grads = x.sub_(lse).exp_().mul_(-(g.sum(1) + g_set)[:, None])
-            grads.scatter_add_(1, ids.clamp(min=0), g)
-            grads.scatter_add_(1, set_ids.clamp(min=0), in_set)
+            x = logits[chunk].to(lse_M.dtype) / ctx.temperature  # a fresh chunk: _chunk_grad works in place
+            grads = _chunk_grad(x, ids_MC[chunk], set_ids_MS[chunk], lse_M[chunk], set_lse_M[chunk],
+                                grad_MC[chunk], grad_set_M[chunk])  # fmt: skip
             grad_logits[chunk] = grads.div_(ctx.temperature).to(logits.dtype)
         return grad_logits, None, None, None
+
+
+class _HeadGatheredLogSoftmax(torch.autograd.Function):
+    """The LM head fused in: hidden (M, H), weight (V, H) -> what `_GatheredLogSoftmax` returns for
+    logits = hidden @ weight.T computed in `matmul_dtype`, one row chunk at a time in forward and again in
+    backward, so no (M, V) logits or logit gradients exist. Gradients to hidden and weight (fp32
+    accumulated)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, ids_MC, set_ids_MS, temperature, matmul_dtype):
+        compute = torch.promote_types(matmul_dtype, torch.float32)
+        num_rows, rows = hidden.shape[0], _chunk_rows(weight.shape[0], 4 * _CHUNK_BYTES)
+        w = weight.to(matmul_dtype)
+        lse_M = hidden.new_empty(num_rows, dtype=compute)
+        set_lse_M = hidden.new_empty(num_rows, dtype=compute)
+        gathered_MC = hidden.new_empty(ids_MC.shape, dtype=compute)
+        for start in range(0, num_rows, rows):
+            chunk = slice(start, start + rows)
+            x = (hidden[chunk].to(matmul_dtype) @ w.T).to(compute) / temperature
+            lse_M[chunk], gathered_MC[chunk], set_lse_M[chunk] = _score_chunk(
+                x, ids_MC[chunk], set_ids_MS[chunk]
+            )
+        ctx.save_for_backward(hidden, weight, ids_MC, set_ids_MS, lse_M, set_lse_M)
+        ctx.temperature, ctx.rows, ctx.matmul_dtype = temperature, rows, matmul_dtype
+        return gathered_MC, set_lse_M
+
+    @staticmethod
+    def backward(ctx, grad_MC, grad_set_M):
+        hidden, weight, ids_MC, set_ids_MS, lse_M, set_lse_M = ctx.saved_tensors
+        dtype = ctx.matmul_dtype
+        w = weight.to(dtype)
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
+                                  device=weight.device)  # fmt: skip
+        for start in range(0, hidden.shape[0], ctx.rows):
+            chunk = slice(start, start + ctx.rows)
+            h = hidden[chunk].to(dtype)
+            x = (h @ w.T).to(lse_M.dtype) / ctx.temperature
+            grads = _chunk_grad(x, ids_MC[chunk], set_ids_MS[chunk], lse_M[chunk], set_lse_M[chunk],
+                                grad_MC[chunk], grad_set_M[chunk])  # fmt: skip
+            grads = grads.div_(ctx.temperature).to(dtype)
+            grad_hidden[chunk] = (grads @ w).to(hidden.dtype)
+            grad_weight.add_(grads.T @ h)
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
 
 
 def _masked_gather(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -101,6 +169,20 @@ class TokenScores:
     aux_loss: torch.Tensor | None
     """Scalar router load-balancing loss as the model returns it (not multiplied by
     `router_aux_loss_coef`), over the row's N unique tokens; None unless asked."""
+
+
+def _fusable_head(model: torch.nn.Module) -> torch.nn.Linear | None:
+    """The LM head when logits are exactly `head(hidden)`: a plain bias-free `nn.Linear` whose weight is a
+    whole tensor (not an FSDP2 shard), and no logit softcapping or scaling after it. Else None: the
+    model's own logits are used."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is not torch.nn.Linear or head.bias is not None or hasattr(head.weight, "to_local"):
+        return None
+    config = _text_config(model)
+    for name, neutral in _LOGIT_TRANSFORMS.items():
+        if getattr(config, name, neutral) not in (None, neutral):
+            return None
+    return head
 
 
 def _set_ids(packed_row: PackedRow) -> torch.Tensor:
@@ -170,28 +252,48 @@ def token_scores(
     sampling masks. `router_aux_loss`: also the MoE router aux loss (ValueError on a model without
     router). `plan`: a prebuilt `build_tree_plan(packed_row, model)`. A data-parallel wrapper that keeps the
     model as `.module` (DDP) is called for the forward (its gradient hooks) and looked through otherwise."""
-    inner = model.module if isinstance(getattr(model, "module", None), torch.nn.Module) else model  # DDP wraps
+    inner = (
+        model.module if isinstance(getattr(model, "module", None), torch.nn.Module) else model
+    )  # DDP wraps
     settings = _check_requests(inner, packed_row, plan, top_ids, router_aux_loss)
     with_sets = candidate_sets and packed_row.sampling_mask_offsets is not None
     if packed_row.num_loss_terms == 0:  # nothing to score (e.g. only untrained samples): skip the forward
         return _empty_scores(model, packed_row, top_ids, with_sets, router_aux_loss)
     device = settings.device
     token_index = packed_row.token_index.to(device)
-    output = model(
-        input_ids=packed_row.input_ids.to(device)[None],
-        position_ids=packed_row.position_ids.to(device)[None],
-        use_cache=False,
-        logits_to_keep=token_index,
-        tree_plan=build_tree_plan(packed_row, inner) if plan is None else plan,
-        **({"output_router_logits": True} if router_aux_loss else {}),
-    )
+    head = _fusable_head(inner)
+    hidden: list[torch.Tensor] = []
+    if head is not None:  # the head sees no positions; its input is scored chunk by chunk below
+        hook = head.register_forward_pre_hook(lambda _, args: hidden.append(args[0]) or (args[0][:, :0],))
+    try:
+        output = model(
+            input_ids=packed_row.input_ids.to(device)[None],
+            position_ids=packed_row.position_ids.to(device)[None],
+            use_cache=False,
+            logits_to_keep=token_index,
+            tree_plan=build_tree_plan(packed_row, inner) if plan is None else plan,
+            **({"output_router_logits": True} if router_aux_loss else {}),
+        )
+    finally:
+        if head is not None:
+            hook.remove()
     ids_MC = packed_row.targets.to(device)[:, None]
     if top_ids:
         ids_MC = torch.cat([ids_MC, packed_row.sampler_top_ids.to(device)], 1)
     set_ids_MS = _set_ids(packed_row).to(device) if with_sets else ids_MC.new_empty(ids_MC.shape[0], 0)
-    gathered_MC, set_lse_M = _GatheredLogSoftmax.apply(
-        output.logits[0], ids_MC, set_ids_MS, float(temperature)
-    )
+    if head is not None:
+        matmul_dtype = (
+            torch.get_autocast_dtype(device.type)
+            if torch.is_autocast_enabled(device.type)
+            else torch.promote_types(hidden[0].dtype, head.weight.dtype)
+        )
+        gathered_MC, set_lse_M = _HeadGatheredLogSoftmax.apply(
+            hidden[0][0], head.weight, ids_MC, set_ids_MS, float(temperature), matmul_dtype
+        )
+    else:
+        gathered_MC, set_lse_M = _GatheredLogSoftmax.apply(
+            output.logits[0], ids_MC, set_ids_MS, float(temperature)
+        )
     aux_loss = output.aux_loss if router_aux_loss else None
     if router_aux_loss and not isinstance(aux_loss, torch.Tensor):
         raise ValueError(

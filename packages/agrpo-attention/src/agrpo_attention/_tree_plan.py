@@ -19,6 +19,7 @@ from agrpo_packing import PackedRow
 from ._attention_backend import AttentionBackend
 from ._backends import resolve_backend
 from ._deltanet_plan import DeltaNetPlan, build_deltanet_plan
+from ._exceptions import UnsupportedModelError
 from ._model_patch import tree_settings
 from ._tree_layout import TreeLayout, build_tree_layout
 
@@ -44,10 +45,27 @@ class TreePlan:
 
     def attend(self, query, key, value, *, scaling: float | None = None, softcap: float | None = None):
         """Tree attention of one layer: query (1, Hq, N, D), key/value (1, Hkv, N, D) -> (1, N, Hq, D)."""
+        check_input_dtypes(self.backend, query, key, value)
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
         return self.backend.attend(
             query, key, value, self.layout, self.attention_state, scaling=scaling, softcap=softcap
         )
+
+
+def check_input_dtypes(backend: AttentionBackend, query, key, value) -> None:
+    """Refuse, before the kernel does mid-forward, q/k/v of a dtype `backend` cannot run (float32 on a
+    flash kernel: a float32 model forwarded without autocast)."""
+    dtypes = {x.dtype for x in (query, key, value)}
+    if backend.input_dtypes is None or dtypes <= set(backend.input_dtypes):
+        return
+    seen = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+    runs = " and ".join(str(d).removeprefix("torch.") for d in backend.input_dtypes)
+    raise UnsupportedModelError(
+        f"backend={backend.name!r} runs {runs} only, but attention got {seen} query/key/value (float32 weights "
+        "forwarded without autocast): run the forward under torch.autocast(device_type, dtype=torch.bfloat16) "
+        "(q, k and v are cast to the autocast dtype), load the model in bfloat16, or "
+        "enable_tree_attention(model, backend='adaptive') ('auto' on CUDA), 'flex' or 'cascade', which run float32"
+    )
 
 
 def _plan(row, backend, device, conv_kernel_size, deltanet_kernel) -> TreePlan:

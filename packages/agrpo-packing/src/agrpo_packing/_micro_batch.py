@@ -15,7 +15,8 @@ from ._tree_row import TreeRow
 
 @dataclass(slots=True)
 class MicroBatch:
-    """`rows[r]` is rank r's forward. Rows can be empty only in a flushed tail with fewer samples than ranks."""
+    """`rows[r]` is rank r's forward. Rows can be empty only in a flushed tail: with fewer samples than
+    ranks, or all of them when the tail only reports oversize drops (`num_samples == 0`, nothing to train)."""
 
     rows: list[TreeRow]
     token_budget: int

@@ -6,7 +6,8 @@ the tensor layout (`TreeRow.pack`).
 
 Token-budget mode (budget > 0), per sample:
 1. A sample whose forwarded tokens alone exceed the budget can never fit: dropped, counted
-   (`dropped_oversize_total`, `batch/dropped_oversize_total`) and warned about.
+   (`dropped_oversize_total`, `batch/dropped_oversize_total` of the next micro-batch) and warned
+   about. `flush` emits a micro-batch of empty rows when only drops are pending, so none goes unreported.
 2. Group routing: it goes to the row that already holds its `group_id` if it fits there, so the
    group's prompt is forwarded once.
 3. Otherwise a new group goes to the fitting row with the lowest attention cost after adding it
@@ -66,12 +67,17 @@ class Planner:
         return closed
 
     def flush(self) -> MicroBatch | None:
-        """The open micro-batch (rows may be empty if there were fewer samples than ranks), or None."""
+        """The open micro-batch (rows may be empty if there were fewer samples than ranks), or None when
+        there is nothing to report. Samples dropped as oversize since the last micro-batch are reported
+        even when nothing else is open: the tail then has only empty rows (`num_samples == 0`; log its
+        metrics, train nothing), so a step whose samples were all oversize still shows its drops."""
         if self.config.fixed_count:
             batch = self._counted(self._buffer) if self._buffer else None
             self._buffer = []
             return batch
-        return None if all(row.is_empty for row in self._rows) else self._close()
+        if all(row.is_empty for row in self._rows) and not self._dropped_pending:
+            return None
+        return self._close()
 
     def plan(self, samples: Iterable[PackSample]) -> list[MicroBatch]:
         """Every micro-batch of `samples`, the last one flushed."""

@@ -3,7 +3,11 @@
 Owns `BACKENDS` (name -> backend object; add a backend by adding a module and one line here) and
 `AUTO_ORDER`, the preference order per device type. On CUDA: FA3/FA4/aiter when installed (untested
 here), then `adaptive` (varlen or flex per row, whichever the H200 measurements in docs/benchmarks.md
-found faster for the row's sharing), then varlen, flex, cascade. Does not know transformers or models.
+found faster for the row's sharing), then varlen, flex, cascade. "auto" also skips backends that cannot
+run the model's parameter dtype: a float32 model may run without autocast, and flash varlen kernels
+(varlen, FA3/FA4, aiter) refuse float32, so it gets `adaptive` (float32 rows through flex). A name given
+explicitly is not refused for float32 weights, since autocast may cast q/k/v to bf16 at run time;
+`TreePlan.attend` refuses a dtype the backend cannot run. Does not know transformers or models.
 """
 
 from __future__ import annotations
@@ -41,21 +45,40 @@ AUTO_ORDER: dict[str, tuple[str, ...]] = {
 }
 
 
-def available_backends(device: torch.device | str) -> list[str]:
-    """Names of the backends that run on `device` here, in the table's order."""
+def available_backends(device: torch.device | str, *, training: bool = True) -> list[str]:
+    """Names of the backends that run on `device` here, in the table's order. `training=True` lists only
+    those with a backward there (on CPU flex runs forward only); `training=False` adds forward-only ones."""
     device = torch.device(device)
-    return [name for name, backend in BACKENDS.items() if backend.unavailable_reason(device) is None]
+    return [
+        name
+        for name, backend in BACKENDS.items()
+        if backend.unavailable_reason(device) is None
+        and not (training and device.type in backend.forward_only_on)
+    ]
 
 
-def resolve_backend(name: str, device: torch.device | str, *, needs_softcap: bool) -> AttentionBackend:
-    """The backend called `name` ("auto" picks the first available of `AUTO_ORDER`), checked for `device`."""
+def runs_dtype(backend: AttentionBackend, dtype: torch.dtype | None) -> bool:
+    """Whether `backend.attend` runs q/k/v of `dtype` (None: not known, so yes)."""
+    return dtype is None or backend.input_dtypes is None or dtype in backend.input_dtypes
+
+
+def resolve_backend(
+    name: str, device: torch.device | str, *, needs_softcap: bool, dtype: torch.dtype | None = None
+) -> AttentionBackend:
+    """The backend called `name` ("auto" picks the first available of `AUTO_ORDER` that runs `dtype`, the
+    model's parameter dtype), checked for `device`."""
     device = torch.device(device)
     if name == "auto":
         for candidate in AUTO_ORDER.get(device.type, ("reference",)):
             backend = BACKENDS[candidate]
-            if backend.unavailable_reason(device) is None and (backend.supports_softcap or not needs_softcap):
+            if (
+                backend.unavailable_reason(device) is None
+                and (backend.supports_softcap or not needs_softcap)
+                and runs_dtype(backend, dtype)
+            ):
                 return backend
-        raise BackendUnavailableError(f"no tree-attention backend runs on {device}")
+        runs = f"runs {dtype} on {device}" if dtype is not None else f"runs on {device}"
+        raise BackendUnavailableError(f"no tree-attention backend {runs}")
     if name not in BACKENDS:
         raise BackendUnavailableError(
             f"backend={name!r} is unknown; expected 'auto' or one of {sorted(BACKENDS)}"

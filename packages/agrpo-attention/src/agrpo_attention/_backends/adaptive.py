@@ -5,10 +5,16 @@ and 2 it was 3-7% faster than flex and within 2% of plain packing at ratio 1; Fl
 mask wins as sharing grows (ratio 3.4: 3%, ratio 8: 17% faster per step), since it never copies a shared
 prompt. The rule reads one number of the layout, K/V path tokens per packed token (P / N, about the
 packing ratio): `flex` from `FLEX_FROM_PATH_RATIO` on, `varlen` below. The choice is made once per row,
-in `prepare`, so every layer of a forward runs the same kernel. Does not know the kernels themselves.
+in `prepare`, so every layer of a forward runs the same kernel. One exception, by dtype, which `prepare`
+cannot know (autocast is decided at forward time): q/k/v that varlen's flash kernel refuses (float32: a
+float32 model without autocast) run through flex, which matched the per-sample truth in float32 on the
+H200; its block mask is then built once per forward, on the first layer. So `adaptive` runs any floating
+dtype and is what `auto` picks on CUDA for float32 models too. Does not know the kernels themselves.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -25,11 +31,25 @@ def path_ratio(layout: TreeLayout) -> float:
     return layout.kv_offsets_host[-1] / max(1, layout.num_tokens)
 
 
+@dataclass(slots=True)
+class AdaptiveState:
+    """The row's choice and its state, plus flex's block mask once a layer needed it (float32 inputs)."""
+
+    backend: VarlenBackend | FlexBackend
+    """The backend `choose` picked for the row."""
+    inner: object
+    """What that backend's `prepare` returned."""
+    flex_mask: object = None
+    """flex's block mask of the row, built on first need when `backend` is varlen; None until then."""
+
+
 class AdaptiveBackend:
-    """varlen for rows that share little, flex for rows that share a lot (CUDA only)."""
+    """varlen for rows that share little, flex for rows that share a lot or run in float32 (CUDA only)."""
 
     name = "adaptive"
     supports_softcap = False
+    input_dtypes = None
+    forward_only_on = FlexBackend.forward_only_on
 
     def __init__(self) -> None:
         self._varlen, self._flex = VarlenBackend(), FlexBackend()
@@ -41,10 +61,15 @@ class AdaptiveBackend:
         """The backend this row runs with."""
         return self._flex if path_ratio(layout) >= FLEX_FROM_PATH_RATIO else self._varlen
 
-    def prepare(self, layout: TreeLayout) -> object:
+    def prepare(self, layout: TreeLayout) -> AdaptiveState:
         backend = self.choose(layout)
-        return backend, backend.prepare(layout)
+        return AdaptiveState(backend=backend, inner=backend.prepare(layout))
 
-    def attend(self, query, key, value, layout: TreeLayout, state, *, scaling, softcap):
-        backend, inner = state
+    def attend(self, query, key, value, layout: TreeLayout, state: AdaptiveState, *, scaling, softcap):
+        backend, inner = state.backend, state.inner
+        half_only = self._varlen.input_dtypes or ()
+        if backend is self._varlen and any(x.dtype not in half_only for x in (query, key, value)):
+            if state.flex_mask is None:
+                state.flex_mask = self._flex.prepare(layout)
+            backend, inner = self._flex, state.flex_mask
         return backend.attend(query, key, value, layout, inner, scaling=scaling, softcap=softcap)

@@ -220,6 +220,8 @@ class CascadeBackend:
 
     name = "cascade"
     supports_softcap = False
+    input_dtypes = None  # FA2 for fp16/bf16, the plain PyTorch twin for float32
+    forward_only_on = ()
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         if device.type != "cuda" or torch.version.cuda is None:

@@ -5,8 +5,9 @@ an ancestor of (or is) i's segment and j is not after i. The mask's block lists 
 from the tree with a few tensor ops (`create_block_mask(_compile=True)` took 41 s to compile on the
 H200 machine, per row shape). No K/V is copied; blocks the mask leaves empty are skipped, so a shared
 prompt is read once by every completion below it. On CUDA the kernel
-is compiled through Triton once (dynamic shapes), on CPU it runs FlexAttention's unfused eager path
-(tests only). Supports logit softcapping through a score_mod. Does not know transformers.
+is compiled through Triton once (dynamic shapes), on CPU it runs FlexAttention's unfused eager path,
+forward only (torch has no CPU backward; training through it is refused, naming `reference`).
+Supports logit softcapping through a score_mod. Does not know transformers.
 """
 
 from __future__ import annotations
@@ -15,9 +16,14 @@ import functools
 
 import torch
 
+from .._exceptions import BackendUnavailableError
 from .._tree_layout import TreeLayout
 
 _BLOCK = 128
+
+
+def _needs_backward(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 @functools.cache
@@ -82,6 +88,8 @@ class FlexBackend:
 
     name = "flex"
     supports_softcap = True
+    input_dtypes = None
+    forward_only_on = ("cpu",)  # FlexAttention's eager CPU path has no backward
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         try:
@@ -94,6 +102,12 @@ class FlexBackend:
         return tree_block_mask(layout)
 
     def attend(self, query, key, value, layout: TreeLayout, state, *, scaling, softcap):
+        if query.device.type in self.forward_only_on and _needs_backward(query, key, value):
+            raise BackendUnavailableError(
+                f"backend='flex' has no backward on {query.device.type} (FlexAttention runs forward only "
+                "there): enable_tree_attention(model, backend='reference') to train on CPU, or run this "
+                "forward under torch.no_grad()"
+            )
         if query.device.type == "cuda":
             flex = _compiled_flex_attention()
         else:

@@ -49,6 +49,9 @@ class GatheredPathBackend:
 
     name = "gathered"
     supports_softcap = False
+    input_dtypes: tuple[torch.dtype, ...] | None = (torch.float16, torch.bfloat16)
+    """Flash varlen kernels (FA2/3/4, aiter) run half precision only."""
+    forward_only_on: tuple[str, ...] = ()
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         raise NotImplementedError

@@ -20,6 +20,8 @@ class ReferenceBackend:
 
     name = "reference"
     supports_softcap = True
+    input_dtypes = None
+    forward_only_on = ()
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         return None
