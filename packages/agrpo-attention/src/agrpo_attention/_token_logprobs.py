@@ -235,6 +235,28 @@ def _empty_scores(model, packed_row: PackedRow, top_ids: bool, with_sets: bool, 
     )
 
 
+def _forward(model, head, packed_row: PackedRow, plan: TreePlan, device, router_aux_loss: bool):
+    """(model output, (M, H) LM-head input or None). With a fusable `head`, a pre-hook keeps the head's
+    input and hands it an empty slice, so the model builds no logits."""
+    kept: list[torch.Tensor] = []
+    hook = None
+    if head is not None:
+        hook = head.register_forward_pre_hook(lambda _, args: kept.append(args[0]) or (args[0][:, :0],))
+    try:
+        output = model(
+            input_ids=packed_row.input_ids.to(device)[None],
+            position_ids=packed_row.position_ids.to(device)[None],
+            use_cache=False,
+            logits_to_keep=packed_row.token_index.to(device),
+            tree_plan=plan,
+            **({"output_router_logits": True} if router_aux_loss else {}),
+        )
+    finally:
+        if hook is not None:
+            hook.remove()
+    return output, (kept[0][0] if kept else None)
+
+
 def token_scores(
     model: torch.nn.Module,
     packed_row: PackedRow,
@@ -260,23 +282,9 @@ def token_scores(
     if packed_row.num_loss_terms == 0:  # nothing to score (e.g. only untrained samples): skip the forward
         return _empty_scores(model, packed_row, top_ids, with_sets, router_aux_loss)
     device = settings.device
-    token_index = packed_row.token_index.to(device)
+    plan = build_tree_plan(packed_row, inner) if plan is None else plan
     head = _fusable_head(inner)
-    hidden: list[torch.Tensor] = []
-    if head is not None:  # the head sees no positions; its input is scored chunk by chunk below
-        hook = head.register_forward_pre_hook(lambda _, args: hidden.append(args[0]) or (args[0][:, :0],))
-    try:
-        output = model(
-            input_ids=packed_row.input_ids.to(device)[None],
-            position_ids=packed_row.position_ids.to(device)[None],
-            use_cache=False,
-            logits_to_keep=token_index,
-            tree_plan=build_tree_plan(packed_row, inner) if plan is None else plan,
-            **({"output_router_logits": True} if router_aux_loss else {}),
-        )
-    finally:
-        if head is not None:
-            hook.remove()
+    output, hidden = _forward(model, head, packed_row, plan, device, router_aux_loss)
     ids_MC = packed_row.targets.to(device)[:, None]
     if top_ids:
         ids_MC = torch.cat([ids_MC, packed_row.sampler_top_ids.to(device)], 1)
@@ -285,10 +293,10 @@ def token_scores(
         matmul_dtype = (
             torch.get_autocast_dtype(device.type)
             if torch.is_autocast_enabled(device.type)
-            else torch.promote_types(hidden[0].dtype, head.weight.dtype)
+            else torch.promote_types(hidden.dtype, head.weight.dtype)
         )
         gathered_MC, set_lse_M = _HeadGatheredLogSoftmax.apply(
-            hidden[0][0], head.weight, ids_MC, set_ids_MS, float(temperature), matmul_dtype
+            hidden, head.weight, ids_MC, set_ids_MS, float(temperature), matmul_dtype
         )
     else:
         gathered_MC, set_lse_M = _GatheredLogSoftmax.apply(
