@@ -8,6 +8,7 @@ only (`output_mask` 0): nothing is trained on them and no log-prob is invented f
 
 import asyncio
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -34,6 +35,9 @@ def constant_reward(completions, **_):
     return [1.0] * len(completions)
 
 
+_PLAIN = re.compile(r"[A-Za-z0-9 ]*")
+
+
 class ScriptedToolLoop(AsyncRolloutLoop):
     """Real sampled tokens, then a scripted tool call on the first turn (context only)."""
 
@@ -46,9 +50,10 @@ class ScriptedToolLoop(AsyncRolloutLoop):
         scripted = np.asarray(
             self.tokenizer.encode(self.script, add_special_tokens=False) + [self.tokenizer.eos_token_id]
         )
-        # A sampled special token (EOS, a tool tag) would change how the scripted call parses: drop those.
-        special = [*self.tokenizer.all_special_ids, *self.tokenizer.added_tokens_decoder]
-        plain = ~np.isin(real.output_ids, special)
+        # Sampled special tokens or punctuation ("<", "{", a tool tag) before the scripted call can change how
+        # it parses: keep only sampled tokens that read as letters, digits or spaces.
+        plain = np.array([_PLAIN.fullmatch(self.tokenizer.decode([int(t)])) is not None for t in real.output_ids],
+                         dtype=bool)  # fmt: skip
         n_real, n_script = int(plain.sum()), scripted.shape[0]
         top = real.output_sampler_logprobs
         top = TopLogprobs(ids=top.ids[plain], logprobs=top.logprobs[plain])
