@@ -7,8 +7,12 @@ padding-free rows and trained for `--steps` timed optimizer steps after one warm
 `micro_batch_loss` (tree attention, log-probs, loss) -> backward -> fused AdamW. Printed side by side:
 trained tokens/s, MFU (FLOP model of `tools/bench/tree_attention/measure.py`: 6 x tokens x layer weights
 + LM head on loss terms + flash-attention pairs, recompute not counted, peak 989 TFLOP/s), peak memory,
-the split of step time, tree/plain MFU, and (with `--idle`) the GPU's idle share of a step. Precision
-`amp` is the trainer's default (fp32 master weights under bf16 autocast); `bf16` has bf16 parameters.
+the split of step time, tree/plain MFU, and (with `--idle`) the GPU's idle share of a step, profiled
+once with rows prefetched as the trainer does and once sequentially (the path before the prefetch, also
+timed). Precision `amp` is the trainer's default (fp32 master weights under bf16 autocast); `bf16` has bf16
+parameters. `--head unfused` turns the fused LM head off (the model's (M, V) logits, then the chunked
+log-softmax) to measure what fusing costs or saves. Hybrid shapes also print the seconds of the Gated
+DeltaNet recurrence alone in the step (`delta_rule.py`).
 """
 
 from __future__ import annotations
@@ -19,17 +23,19 @@ import time
 
 import torch
 
+import agrpo_attention._token_logprobs as token_logprobs_module
 from agrpo_attention import build_tree_plan, enable_tree_attention
 
 from ..tree_attention.measure import PEAK_TFLOPS, step_flops
 from ..tree_attention.model_shapes import SHAPES, build_random_model
 from .data import grpo_samples
-from .step import StepTimes, gpu_busy_fraction, plan_rows, timed_step
+from .delta_rule import delta_rule_seconds
+from .step import StepTimes, gpu_idle_profile, plan_rows, timed_step
 
 
 def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="qwen3-1.7b", help=f"comma list of {sorted(SHAPES)}")
+    parser.add_argument("--models", default="qwen3-1.7b", help=f"comma list of {sorted(SHAPES)} (tiny-* with --tiny)")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's own)")
     parser.add_argument("--ratios", default="1,3.4,8", help="target packing ratios")
     parser.add_argument("--prompts", type=int, default=16, help="groups per step")
@@ -38,18 +44,24 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--precision", default="amp", choices=["amp", "bf16"])
     parser.add_argument("--backend", default="auto", help="agrpo-attention backend")
     parser.add_argument("--steps", type=int, default=2, help="timed optimizer steps (median) after a warm-up")
-    parser.add_argument("--idle", action="store_true", help="profile one step for the GPU's idle share")
+    parser.add_argument("--idle", action="store_true",
+                        help="profile one step for the GPU's idle share, prefetched and sequential")
+    parser.add_argument("--host-ops", action="store_true", help="with --idle: the host ops behind long GPU gaps")
+    parser.add_argument("--head", default="fused", choices=["fused", "unfused"], help="LM head + log-softmax")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json", default=None, help="write all measurements here")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model, rows and steps")
     args = parser.parse_args()
     if args.tiny:
-        args.models, args.budget, args.device, args.steps, args.prompts = "tiny-dense", 256, "cpu", 1, 4
+        args.models = args.models if args.models.startswith("tiny-") else "tiny-dense"
+        args.budget, args.device, args.steps, args.prompts = 256, "cpu", 1, 4
         args.backend, args.precision = "reference", "bf16"
     return args
 
 
 def _model(name: str, args):
+    if args.head == "unfused":  # every head counts as not fusable: token_scores takes the model's logits
+        token_logprobs_module._fusable_head = lambda model: None
     dtype = torch.float32 if args.precision == "amp" else torch.bfloat16
     model = build_random_model(name, args.layers, args.device, dtype)
     enable_tree_attention(model, args.backend)
@@ -57,7 +69,7 @@ def _model(name: str, args):
     return model, optimizer
 
 
-def _measure(model, optimizer, rows, args) -> dict:
+def _measure(model, optimizer, rows, args, checkpointing: bool) -> dict:
     amp = args.precision == "amp"
     timed_step(model, optimizer, rows, amp=amp)  # warm-up: kernels, allocator, optimizer state
     steps = [timed_step(model, optimizer, rows, amp=amp) for _ in range(args.steps)]
@@ -71,13 +83,28 @@ def _measure(model, optimizer, rows, args) -> dict:
         "mfu": flops / median.total_s / (PEAK_TFLOPS * 1e12), **{k: getattr(median, k) for k in StepTimes.__slots__},
     }  # fmt: skip
     if args.idle and args.device == "cuda":
-        out["gpu_idle_frac"] = 1.0 - gpu_busy_fraction(lambda: timed_step(model, optimizer, rows, amp=amp))
+        for key, prefetch in (("", True), ("_sequential", False)):
+            idle = gpu_idle_profile(lambda p=prefetch: timed_step(model, optimizer, rows, amp=amp, prefetch=p))
+            out |= {f"gpu_idle_frac{key}": idle["idle_frac"], f"gpu_long_gap_frac{key}": idle["long_gap_frac"]}
+        out["seconds_sequential"] = timed_step(model, optimizer, rows, amp=amp, prefetch=False).total_s
+        if args.host_ops:
+            out["host_ops"] = gpu_idle_profile(lambda: timed_step(model, optimizer, rows, amp=amp), host_ops=True)
+    if getattr(model.config, "layer_types", None) and "linear_attention" in model.config.layer_types:
+        out.update(delta_rule_seconds(model, rows, checkpointing=checkpointing))
     return out
 
 
 def _print_row(label: str, r: dict) -> None:
     split = " / ".join(f"{r[k]:.2f}" for k in ("forward_s", "head_s", "backward_s", "optimizer_s"))
-    idle = f"  idle {100 * r['gpu_idle_frac']:.1f}%" if "gpu_idle_frac" in r else ""
+    idle = ""
+    if "gpu_idle_frac" in r:
+        idle = (f"  idle {100 * r['gpu_idle_frac']:.1f}% (gaps >= 1 ms {100 * r['gpu_long_gap_frac']:.1f}%; sequential "
+                f"{100 * r['gpu_idle_frac_sequential']:.1f}% / {100 * r['gpu_long_gap_frac_sequential']:.1f}%, "
+                f"step {r['seconds_sequential']:.2f} s)")  # fmt: skip
+    if "host_ops" in r:
+        idle += f"\n    host ops behind long gaps (ms, op): {r['host_ops']}"
+    if "delta_rule_step_s" in r:
+        idle += f"  delta rule {r['delta_rule_step_s']:.2f} s ({100 * r['delta_rule_step_s'] / r['seconds']:.0f}%)"
     print(
         f"  {label:<6} rows {r['rows']:>3}  step {r['seconds']:7.2f} s  trained tok/s {r['trained_tok_s']:9.0f}  "
         f"MFU {100 * r['mfu']:5.1f}%  peak {r['peak_gib']:6.1f} GiB  plan {r['plan_s']:.2f} s  "
@@ -90,7 +117,7 @@ def main() -> None:
     args = _arguments()
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     print(f"train_step on {device_name}, torch {torch.__version__}, precision {args.precision}, "
-          f"budget {args.budget} tokens/row, {args.prompts} prompts/step")  # fmt: skip
+          f"budget {args.budget} tokens/row, {args.prompts} prompts/step, head {args.head}")  # fmt: skip
     results = []
     for name in args.models.split(","):
         model, optimizer = _model(name, args)
@@ -107,7 +134,7 @@ def main() -> None:
                     start = time.perf_counter()
                     rows = plan_rows(samples, args.budget, share_prefixes=share)
                     plan_s = time.perf_counter() - start
-                    pair[label] = {**_measure(model, optimizer, rows, args), "plan_s": plan_s}
+                    pair[label] = {**_measure(model, optimizer, rows, args, checkpointing == "on"), "plan_s": plan_s}
                 measured = pair["tree"]["forwarded_tokens"] and (
                     pair["plain"]["forwarded_tokens"] / pair["tree"]["forwarded_tokens"]
                 )

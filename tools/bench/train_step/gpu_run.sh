@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The H200 run recorded in docs/benchmarks.md ("Train step"): every configuration under its own time limit;
 # logs and JSON go to $OUT (default ./out). No uv there: the packages run from the source tree on PYTHONPATH.
+# 1. 1.7B amp + checkpointing, fused LM head, GPU idle with the rows prefetched and sequentially (--idle);
+# 2. the same with the LM head unfused; 3. the Gated DeltaNet hybrid shape (PyTorch delta rule), 2 prompts.
 set -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TOKENIZERS_PARALLELISM=false
@@ -8,9 +10,9 @@ PKG=${PKG:-packages}  # another checkout's packages/ may be measured instead
 export PYTHONPATH=${SITE:+$SITE:}$PKG/agrpo-packing/src:$PKG/agrpo-attention/src:$PKG/agrpo-rollout/src:$PKG/agrpo-sync/src:$PKG/agrpo-trainer/src:.
 bench="python3 -m tools.bench.train_step"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
-timeout 300 $bench --models qwen3-1.7b --prompts ${PROMPTS:-4} --checkpointing on,off --idle \
-  --json "$OUT/train_step_1.7b_amp.json" 2>&1 | tee "$OUT/train_step_1.7b_amp.log"
-timeout 120 $bench --models qwen3-1.7b --prompts ${PROMPTS:-4} --checkpointing on --precision bf16 \
-  --json "$OUT/train_step_1.7b_bf16.json" 2>&1 | tee "$OUT/train_step_1.7b_bf16.log"
-timeout 150 $bench --models qwen3-4b --prompts 2 --checkpointing on \
-  --json "$OUT/train_step_4b_amp.json" 2>&1 | tee "$OUT/train_step_4b_amp.log"
+timeout ${T1:-270} $bench --models qwen3-1.7b --prompts ${PROMPTS:-4} --checkpointing on --idle \
+  --json "$OUT/train_step_1.7b_fused.json" 2>&1 | tee "$OUT/train_step_1.7b_fused.log"
+timeout ${T2:-120} $bench --models qwen3-1.7b --prompts ${PROMPTS:-4} --checkpointing on --ratios 1,3.4 \
+  --head unfused --json "$OUT/train_step_1.7b_unfused.json" 2>&1 | tee "$OUT/train_step_1.7b_unfused.log"
+timeout ${T3:-180} $bench --models qwen3.5-hybrid-2b --prompts 2 --checkpointing on --ratios 1,3.4 \
+  --json "$OUT/train_step_hybrid.json" 2>&1 | tee "$OUT/train_step_hybrid.log"

@@ -5,9 +5,13 @@ packing thread does) and `timed_step`: for every row `agrpo_trainer._step.micro_
 attention, gathered log-probs and the sampler top-K of score centering, `grpo_loss`) and its backward,
 then the optimizer step, exactly the calls the trainer makes. Time is split with CUDA events (wall clock
 on CPU): forward up to the LM head, LM head + log-probs + loss, backward (with the recompute when
-gradient checkpointing is on), optimizer. `gpu_busy_fraction` profiles one step and returns the share of
-its span during which some kernel ran: the rest is the GPU waiting for the host (planning, collation,
-launches). Does not know model shapes or reporting.
+gradient checkpointing is on), optimizer. Rows reach the device as the trainer's do: `prefetch=True`
+prepares each row and its tree plan one micro-batch ahead on the trainer's `RowPrefetcher` (pinned,
+non-blocking copies); `prefetch=False` is the sequential path before it (`row.to(device)` from pageable
+memory, the plan built inside `token_scores`), kept to measure what the overlap saves.
+`gpu_idle_profile` profiles one step and returns the share of its GPU span during which no kernel ran
+(the GPU waiting for the host: planning, collation, syncs, launches), split into gaps of 1 ms or more
+and shorter ones. Does not know model shapes or reporting.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from agrpo_packing import PackedRow, PackingConfig, PackSample, Planner
+from agrpo_trainer._device_row import DeviceRow, RowPrefetcher, prepare_device_row
 from agrpo_trainer._loss import LossSettings
 from agrpo_trainer._step import StepSettings, micro_batch_loss
 
@@ -69,7 +74,21 @@ class StepTimes:
     peak_gib: float = 0.0
 
 
-def timed_step(model, optimizer, rows: list[PackedRow], *, amp: bool) -> StepTimes:
+def _device_rows(model, rows: list[PackedRow], prefetch: bool):
+    """What the step trains on, row by row: prefetched `DeviceRow`s, or rows copied on the spot."""
+    device = next(model.parameters()).device
+    if not prefetch:
+        yield from (DeviceRow(row=row.to(device), plan=None) for row in rows)
+        return
+    prefetcher = RowPrefetcher(lambda row: prepare_device_row(row, model), device)
+    try:
+        prefetcher.begin(rows)
+        yield from (prefetcher.take(i) for i in range(len(rows)))
+    finally:
+        prefetcher.close()
+
+
+def timed_step(model, optimizer, rows: list[PackedRow], *, amp: bool, prefetch: bool = True) -> StepTimes:
     """One optimizer step over `rows` (one micro-batch each), as the trainer runs it."""
     device = next(model.parameters()).device
     clock, times = _Clock(device), StepTimes()
@@ -83,12 +102,12 @@ def timed_step(model, optimizer, rows: list[PackedRow], *, amp: bool) -> StepTim
     wall = time.perf_counter()
     marks = []
     try:
-        for row in rows:
+        for prepared in _device_rows(model, rows, prefetch):
             start = clock.mark()
             with autocast:
                 loss, _ = micro_batch_loss(
-                    model, row.to(device), SETTINGS, step_trained_tokens=step_tokens, world_size=1,
-                    micro_batches_per_step=len(rows),
+                    model, prepared.row, SETTINGS, step_trained_tokens=step_tokens, world_size=1,
+                    micro_batches_per_step=len(rows), plan=prepared.plan,
                 )  # fmt: skip
             scored = clock.mark()
             loss.backward()
@@ -111,27 +130,56 @@ def timed_step(model, optimizer, rows: list[PackedRow], *, amp: bool) -> StepTim
     return times
 
 
-def gpu_busy_fraction(run) -> float:
-    """Share of the span of `run()`'s GPU work during which at least one kernel ran (profiled once)."""
+def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _innermost_cpu_op(events, at: float) -> str:
+    """Name of the shortest host-side op running at time `at` (us): what the host did while the GPU waited."""
+    best = None
+    for e in events:
+        if e.time_range.start <= at <= e.time_range.end and (
+            best is None or e.time_range.elapsed_us() < best[0]
+        ):
+            best = (e.time_range.elapsed_us(), e.name)
+    return best[1] if best else "?"
+
+
+def gpu_idle_profile(run, *, host_ops: bool = False) -> dict:
+    """Profile `run()` once: the share of its GPU span with no kernel running, the share of it spent in gaps of
+    1 ms or more (host stalls: syncs, planning) rather than launch gaps, and with `host_ops` the host op
+    running at the start of the largest gaps (the CPU profile slows the host, so idle reads higher)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if host_ops else [])
+    with profile(activities=activities) as prof:
         run()
         torch.cuda.synchronize()
-    spans = sorted(
+    events = prof.events()
+    busy = _merged([
         (e.time_range.start, e.time_range.end)
-        for e in prof.events()
+        for e in events
         if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
-    )
-    if not spans:
-        return 0.0
-    busy, (cur_start, cur_end) = 0.0, spans[0]
-    for start, end in spans[1:]:
-        if start > cur_end:
-            busy += cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    busy += cur_end - cur_start
-    span = max(end for _, end in spans) - spans[0][0]
-    return busy / span if span > 0 else 1.0
+    ])  # fmt: skip
+    if not busy:
+        return {"idle_frac": 1.0, "long_gap_frac": 0.0, "long_gaps": 0}
+    span = busy[-1][1] - busy[0][0]
+    gaps = [(b[0] - a[1], a[1]) for a, b in zip(busy, busy[1:], strict=False)]
+    long_gaps = sorted((g for g in gaps if g[0] >= 1000.0), reverse=True)
+    out = {
+        "idle_frac": sum(g for g, _ in gaps) / span if span > 0 else 0.0,
+        "long_gap_frac": sum(g for g, _ in long_gaps) / span if span > 0 else 0.0,
+        "long_gaps": len(long_gaps),
+    }
+    if host_ops:
+        cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+        out["long_gap_host_ops"] = [
+            (round(g / 1e3, 1), _innermost_cpu_op(cpu, at + 1.0)) for g, at in long_gaps[:6]
+        ]
+    return out

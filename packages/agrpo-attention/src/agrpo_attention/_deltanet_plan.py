@@ -22,6 +22,8 @@ import torch
 
 from agrpo_packing import PackedRow
 
+from ._tree_layout import host_to_device
+
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class DeltaNetLevel:
@@ -67,7 +69,7 @@ def _halo_layout(row: PackedRow, taps: int) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(pieces).astype(np.int64), np.arange(n) + segment_of * halo
 
 
-def _levels(row: PackedRow, device) -> tuple[tuple[DeltaNetLevel, ...], np.ndarray]:
+def _levels(row: PackedRow, device, non_blocking: bool) -> tuple[tuple[DeltaNetLevel, ...], np.ndarray]:
     q_off = row.q_offsets.cpu().numpy().astype(np.int64)
     parents = row.segment_parent.cpu().numpy().astype(np.int64)
     depth = np.zeros(parents.shape[0], dtype=np.int64)
@@ -81,11 +83,13 @@ def _levels(row: PackedRow, device) -> tuple[tuple[DeltaNetLevel, ...], np.ndarr
         lengths = q_off[segments + 1] - q_off[segments]
         tokens = np.concatenate([np.arange(q_off[s], q_off[s + 1]) for s in segments])
         cu = np.concatenate([[0], np.cumsum(lengths)])
-        parent_slot = None if level == 0 else torch.from_numpy(slot[parents[segments]]).to(device)
+        parent_slot = (
+            None if level == 0 else host_to_device(slot[parents[segments]], device, non_blocking=non_blocking)
+        )
         levels.append(
             DeltaNetLevel(
-                token_index=torch.from_numpy(tokens).to(device),
-                cu_seqlens=torch.from_numpy(cu).to(device),
+                token_index=host_to_device(tokens, device, non_blocking=non_blocking),
+                cu_seqlens=host_to_device(cu, device, non_blocking=non_blocking),
                 cu_seqlens_host=tuple(int(x) for x in cu),
                 parent_slot=parent_slot,
             )
@@ -94,16 +98,19 @@ def _levels(row: PackedRow, device) -> tuple[tuple[DeltaNetLevel, ...], np.ndarr
     return tuple(levels), np.concatenate(order) if order else np.zeros(0, dtype=np.int64)
 
 
-def build_deltanet_plan(row: PackedRow, conv_kernel_size: int, device: torch.device | str) -> DeltaNetPlan:
-    """The plan of `row` for layers whose convolution has `conv_kernel_size` taps."""
+def build_deltanet_plan(
+    row: PackedRow, conv_kernel_size: int, device: torch.device | str, *, non_blocking: bool = False
+) -> DeltaNetPlan:
+    """The plan of `row` for layers whose convolution has `conv_kernel_size` taps; `non_blocking`: see
+    `host_to_device`."""
     halo_index, conv_out_index = _halo_layout(row, conv_kernel_size)
-    levels, order = _levels(row, device)
+    levels, order = _levels(row, device, non_blocking)
     inverse = np.empty_like(order)
     inverse[order] = np.arange(order.shape[0])
     return DeltaNetPlan(
         conv_kernel_size=conv_kernel_size,
-        halo_index=torch.from_numpy(halo_index).to(device),
-        conv_out_index=torch.from_numpy(conv_out_index).to(device),
+        halo_index=host_to_device(halo_index, device, non_blocking=non_blocking),
+        conv_out_index=host_to_device(conv_out_index, device, non_blocking=non_blocking),
         levels=levels,
-        inverse_order=torch.from_numpy(inverse).to(device),
+        inverse_order=host_to_device(inverse, device, non_blocking=non_blocking),
     )

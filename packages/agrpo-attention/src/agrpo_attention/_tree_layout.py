@@ -70,8 +70,22 @@ def segment_subtree_ends(segment_parent: np.ndarray) -> np.ndarray:
     return last + 1
 
 
-def build_tree_layout(row: PackedRow, device: torch.device | str) -> TreeLayout:
-    """The layout of `row`, its tensors on `device`."""
+def host_to_device(
+    x: np.ndarray | torch.Tensor, device: torch.device | str, *, non_blocking: bool
+) -> torch.Tensor:
+    """A host array or tensor on `device`. `non_blocking` (CUDA): staged through pinned memory, so the copy
+    is queued on the current stream and the host does not wait for the GPU to drain that stream (a plain
+    copy from pageable memory synchronises it)."""
+    tensor = torch.from_numpy(x) if isinstance(x, np.ndarray) else x
+    if non_blocking and torch.device(device).type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def build_tree_layout(
+    row: PackedRow, device: torch.device | str, *, non_blocking: bool = False
+) -> TreeLayout:
+    """The layout of `row` (host tensors), its tensors on `device`; `non_blocking`: see `host_to_device`."""
     q_offsets = row.q_offsets.detach().cpu().numpy().astype(np.int64)
     kv_offsets = row.kv_offsets.detach().cpu().numpy().astype(np.int64)
     parents = row.segment_parent.detach().cpu().numpy().astype(np.int64)
@@ -80,10 +94,10 @@ def build_tree_layout(row: PackedRow, device: torch.device | str) -> TreeLayout:
     subtree_end = np.repeat(end_of_segment, seg_len)
     return TreeLayout(
         num_tokens=int(q_offsets[-1]),
-        q_offsets=torch.from_numpy(q_offsets).to(device=device, dtype=torch.int32),
-        kv_index=row.kv_index.to(device=device, dtype=torch.int64),
-        kv_offsets=torch.from_numpy(kv_offsets).to(device=device, dtype=torch.int32),
-        subtree_end=torch.from_numpy(subtree_end).to(device),
+        q_offsets=host_to_device(q_offsets.astype(np.int32), device, non_blocking=non_blocking),
+        kv_index=host_to_device(row.kv_index.to(torch.int64), device, non_blocking=non_blocking),
+        kv_offsets=host_to_device(kv_offsets.astype(np.int32), device, non_blocking=non_blocking),
+        subtree_end=host_to_device(subtree_end, device, non_blocking=non_blocking),
         q_offsets_host=tuple(int(x) for x in q_offsets),
         kv_offsets_host=tuple(int(x) for x in kv_offsets),
         max_q=int(seg_len.max(initial=0)),

@@ -4,7 +4,9 @@ Owns the bundle (tree layout, the attention backend and its per-forward state su
 the Gated DeltaNet plan) and `build_tree_plan`, which makes it either for a tree-enabled model (the
 model's settings decide backend, device and layer plans) or standalone for kernel tests and
 benchmarks (attention only). Building does host-side index work and copies small index tensors to the
-device; a trainer can build the next row's plan while the current one trains. Does not know
+device; a trainer can build the next row's plan while the current one trains: with `non_blocking` the
+copies go through pinned memory and are only queued on the current stream, so building never waits
+for the GPU to finish the work already queued (backends' `prepare` then runs as queued device work). Does not know
 transformers.
 """
 
@@ -68,9 +70,13 @@ def check_input_dtypes(backend: AttentionBackend, query, key, value) -> None:
     )
 
 
-def _plan(row, backend, device, conv_kernel_size, deltanet_kernel) -> TreePlan:
-    layout = build_tree_layout(row, device)
-    deltanet = None if conv_kernel_size is None else build_deltanet_plan(row, conv_kernel_size, device)
+def _plan(row, backend, device, conv_kernel_size, deltanet_kernel, non_blocking=False) -> TreePlan:
+    layout = build_tree_layout(row, device, non_blocking=non_blocking)
+    deltanet = (
+        None
+        if conv_kernel_size is None
+        else build_deltanet_plan(row, conv_kernel_size, device, non_blocking=non_blocking)
+    )
     return TreePlan(
         layout=layout,
         backend=backend,
@@ -86,13 +92,17 @@ def build_tree_plan(
     *,
     backend: str = "auto",
     device: torch.device | str | None = None,
+    non_blocking: bool = False,
 ) -> TreePlan:
-    """The plan of `packed_row`. With `model` (after `enable_tree_attention(model)`), the model's backend,
-    device and layers decide everything and `backend`/`device` must be left out. Without a model the plan
-    covers attention only (for kernel tests and benchmarks): `backend` by name, `device` default CPU."""
+    """The plan of `packed_row` (host tensors). With `model` (after `enable_tree_attention(model)`), the
+    model's backend, device and layers decide everything and `backend`/`device` must be left out. Without a
+    model the plan covers attention only (for kernel tests and benchmarks): `backend` by name, `device`
+    default CPU. `non_blocking`: copy through pinned memory without waiting for the device's queued work
+    (the plan is then only valid for work queued after it on the same stream)."""
     if model is None:
         device = torch.device("cpu" if device is None else device)
-        return _plan(packed_row, resolve_backend(backend, device, needs_softcap=False), device, None, None)
+        backend_object = resolve_backend(backend, device, needs_softcap=False)
+        return _plan(packed_row, backend_object, device, None, None, non_blocking)
     if backend != "auto" or device is not None:
         raise ValueError(
             "build_tree_plan(row, model) takes backend and device from the model; "
@@ -100,5 +110,10 @@ def build_tree_plan(
         )
     settings = tree_settings(model)
     return _plan(
-        packed_row, settings.backend, settings.device, settings.conv_kernel_size, settings.deltanet_kernel
+        packed_row,
+        settings.backend,
+        settings.device,
+        settings.conv_kernel_size,
+        settings.deltanet_kernel,
+        non_blocking,
     )

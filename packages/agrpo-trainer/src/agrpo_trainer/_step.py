@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from agrpo_attention import token_scores
+from agrpo_attention import TreePlan, token_scores
 from agrpo_packing import PackedRow, TreeRow
 
 from ._loss import LossInputs, LossSettings, LossStats, grpo_loss
@@ -78,12 +78,14 @@ def micro_batch_loss(
     step_trained_tokens: int,
     world_size: int,
     micro_batches_per_step: int,
+    plan: TreePlan | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """This rank's scaled loss for `row` and its statistics. An empty row on a multi-rank run still runs a
-    forward (of a placeholder, weighted 0) so every rank joins the same gradient collectives."""
+    forward (of a placeholder, weighted 0) so every rank joins the same gradient collectives. `row` may be
+    on the host or already on the model's device (a `DeviceRow`'s), `plan` its prebuilt tree plan."""
     weight = 1.0
     if row.num_loss_terms == 0 and world_size > 1:
-        row, weight = placeholder_row(), 0.0
+        row, weight, plan = placeholder_row(), 0.0, None
     want_top = settings.loss.score_centering and row.sampler_top_ids is not None
     has_sets = row.sampling_mask_ids is not None
     if settings.truncated_sampling and not has_sets and row.num_loss_terms:
@@ -95,6 +97,7 @@ def micro_batch_loss(
         top_ids=want_top,
         candidate_sets=has_sets,
         router_aux_loss=settings.router_aux_loss_coef > 0,
+        plan=plan,
     )
     device = scores.logprobs.device
     out = grpo_loss(

@@ -7,7 +7,9 @@ The flow of one run, as the reference describes it (every arrow names its module
                                  RolloutProcess (spawned, CPU) -> MicroBatchStream (packing thread)
     get_batch_samples            the step's micro-batches from rank 0's pipeline, one PackedRow per rank,
                                  and the step's trained-token count N (_step normalises by it)
-    compute_loss                 micro_batch_loss: tree-attention scores -> grpo_loss (_loss) -> sum / N
+    compute_loss                 the row and its tree plan on the device, prepared one micro-batch ahead on a
+                                 worker thread (_device_row); micro_batch_loss: tree-attention scores ->
+                                 grpo_loss (_loss) -> sum / N
     (Trainer)                    backward, clipping, optimizer and scheduler from TrainingArguments
     on_step_end                  settle the step's prompts (_prompt_ledger), every weight_sync_steps a push
                                  whose version the rollout process sees only once it is served, epoch stop
@@ -33,6 +35,7 @@ from agrpo_rollout import AsyncRolloutLoop
 
 from ._checkpoint import read_rollout_state, resolve_checkpoint, save_dtype_state_dict, write_rollout_state
 from ._config import AsyncGRPOConfig
+from ._device_row import RowPrefetcher, prepare_device_row
 from ._loss import LossStats
 from ._metrics import MetricWindow
 from ._micro_batch_stream import PackedMicroBatch, empty_micro_batch
@@ -115,6 +118,7 @@ class AsyncGRPOTrainer(Trainer):
         self._policy_sync: PolicySync | None = None
         self._resume, self._clock, self._window = ResumePoint(), StepClock(), MetricWindow()
         self._step_batches: list[PackedMicroBatch] = []
+        self._rows_ahead = RowPrefetcher(lambda row: prepare_device_row(row, self.model), self.args.device)
         self._step_stats = LossStats.empty()
         self.last_step_samples: list = []
         """The `RolloutSample`s the last optimizer step trained (rank 0), for callbacks."""
@@ -274,20 +278,23 @@ class AsyncGRPOTrainer(Trainer):
             self.control.should_training_stop = True
             return [], None
         self._clock.step_started()
-        return [{"row": row} for row in rows], tokens
+        self._rows_ahead.begin(rows)
+        return [{"row": row, "micro_batch": i} for i, row in enumerate(rows)], tokens
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         with self._clock.fwd_bwd():
             return super().training_step(model, inputs, num_items_in_batch)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        prepared = self._rows_ahead.take(inputs["micro_batch"])
         loss, stats = micro_batch_loss(
             model,
-            inputs["row"],
+            prepared.row,
             self.step_settings,
             step_trained_tokens=int(num_items_in_batch or 0),
             world_size=self.accelerator.num_processes,
             micro_batches_per_step=max(self.current_gradient_accumulation_steps, 1),
+            plan=prepared.plan,
         )
         self._step_stats = self._step_stats.merge(stats)
         self._clock.add_tokens(inputs["row"])
