@@ -2,66 +2,20 @@
 
 import asyncio
 import json
+import logging
 import subprocess
 
-import httpx
 import numpy as np
 import pytest
 
-from agrpo_rollout import RequestRejectedError, ServerUnavailableError, VLLMClient, decode_generate
+from agrpo_rollout import (
+    RequestRejectedError,
+    ResponseFormatError,
+    ServerUnavailableError,
+    VLLMClient,
+    decode_generate,
+)
 from tools.dev_server import DEFAULT_ENV_DIR
-
-
-class FaultProxy:
-    """A loopback HTTP/1.1 proxy in front of the real server. Each request to `/v1/completions` consumes
-    one fault: `500` answers 500, `hang` never answers, `drop` closes the connection, `pass` forwards."""
-
-    def __init__(self, upstream: str, faults: list[str]) -> None:
-        self.upstream, self.faults, self.seen = upstream, list(faults), []
-
-    async def __aenter__(self) -> str:
-        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        self.client = httpx.AsyncClient(base_url=self.upstream, timeout=60)
-        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
-
-    async def __aexit__(self, *exc) -> None:
-        self.server.close()
-        await self.client.aclose()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = (await reader.readuntil(b"\r\n\r\n")).decode()
-        method, path, _ = head.split("\r\n", 1)[0].split(" ")
-        length = next(
-            (
-                int(line.split(":")[1])
-                for line in head.split("\r\n")
-                if line.lower().startswith("content-length")
-            ),
-            0,
-        )
-        body = await reader.readexactly(length)
-        fault = self.faults.pop(0) if path.startswith("/v1/completions") and self.faults else "pass"
-        self.seen.append(fault)
-        if fault == "drop":
-            writer.close()
-            return
-        if fault == "hang":
-            await asyncio.sleep(60)
-            return
-        if fault == "500":
-            status, content = 500, b'{"error":"injected"}'
-        else:
-            upstream = await self.client.request(
-                method, path, content=body, headers={"content-type": "application/json"}
-            )
-            status, content = upstream.status_code, upstream.content
-        writer.write(
-            b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
-            % (status, len(content))
-            + content
-        )
-        await writer.drain()
-        writer.close()
 
 
 def test_sample_returns_ids_log_probs_and_top_alternatives(server_config):
@@ -83,9 +37,9 @@ def test_sample_returns_ids_log_probs_and_top_alternatives(server_config):
 
 
 @pytest.mark.parametrize(("faults", "retries"), [(["500", "500"], 2), (["hang"], 1), (["drop"], 1)])
-def test_transient_faults_are_retried_and_counted(vllm_server, server_config, faults, retries):
+def test_transient_faults_are_retried_and_counted(fault_proxy, server_config, faults, retries):
     async def go():
-        proxy = FaultProxy(vllm_server.url, faults)
+        proxy = fault_proxy(faults)
         async with (
             proxy as url,
             VLLMClient(server_config(vllm_server_base_url=url, vllm_server_timeout=1.5)) as client,
@@ -98,9 +52,11 @@ def test_transient_faults_are_retried_and_counted(vllm_server, server_config, fa
     assert seen[-1] == "pass"
 
 
-def test_persistent_faults_give_up_with_the_url_and_4xx_is_not_retried(vllm_server, server_config):
+def test_persistent_faults_give_up_with_the_url_and_4xx_is_not_retried(
+    vllm_server, server_config, fault_proxy
+):
     async def go():
-        async with FaultProxy(vllm_server.url, ["500"] * 10) as url:
+        async with fault_proxy(["500"] * 10) as url:
             client = VLLMClient(server_config(vllm_server_base_url=url, vllm_max_retries=2))
             async with client:
                 with pytest.raises(ServerUnavailableError, match=r"failed 3 times.*HTTP 500"):
@@ -217,3 +173,77 @@ def test_a_model_name_template_names_each_requests_policy_version():
     assert asyncio.run(request_in_group(3)) == "policy-v3"
     assert asyncio.run(request_in_group(7)) == "policy-v7"
     assert VLLMClient(RolloutConfig(model_name="plain")).completion_body([1], 1)["model"] == "plain"
+
+
+def test_retries_are_logged_at_most_once_per_interval(fault_proxy, server_config, caplog):
+    async def go():
+        async with (
+            fault_proxy(["500", "drop", "500"]) as url,
+            VLLMClient(server_config(vllm_server_base_url=url, vllm_max_retries=3)) as client,
+        ):
+            await client.probe()
+            with caplog.at_level(logging.WARNING, logger="agrpo_rollout"):
+                turn = await client.sample([1, 2, 3])
+            return turn, client.retry_total
+
+    turn, retry_total = asyncio.run(go())
+    lines = [r.getMessage() for r in caplog.records if "retry" in r.getMessage()]
+    assert turn.num_output_tokens > 0 and retry_total == 3
+    assert len(lines) == 1, "three retries within the interval: one line"
+    assert "/v1/completions failed (HTTP 500" in lines[0] and "retry 1 of 3" in lines[0]
+
+
+def test_a_200_that_is_not_json_raises_response_format_error(fault_proxy, server_config):
+    async def go():
+        async with (
+            fault_proxy(["html"]) as url,
+            VLLMClient(server_config(vllm_server_base_url=url)) as client,
+        ):
+            with pytest.raises(ResponseFormatError, match=r"not the JSON of a vLLM completion.*<html>"):
+                await client.sample([1, 2, 3])
+
+    asyncio.run(go())
+
+
+def test_extra_request_fields_cannot_replace_the_clients_own_fields(server_config):
+    with pytest.raises(ValueError, match=r"\['logprobs', 'temperature'\].*RolloutConfig fields"):
+        server_config(extra_request_fields={"temperature": 0.0, "logprobs": 2, "stop": ["x"]})
+    config = server_config(temperature=0.7, extra_request_fields={"stop_token_ids": [0]})
+    config.extra_request_fields["logprobs"] = 2  # set after the check: the client's value still wins
+    config.extra_request_fields["temperature"] = 0.0
+
+    async def go():
+        async with VLLMClient(config) as client:
+            await client.probe()
+            return (
+                client.completion_body([1], 4),
+                client.generate_body([1], 4),
+                await client.sample([1, 2, 3]),
+            )
+
+    body, generate, turn = asyncio.run(go())
+    assert (body["logprobs"], body["temperature"], body["stop_token_ids"]) == (8, 0.7, [0])
+    assert generate["sampling_params"]["temperature"] == 0.7
+    assert turn.output_sampler_logprobs.ids.shape[1] == 8, "the server got logprobs=8, not 2"
+
+
+def test_a_seeded_config_repeats_its_samples_and_varies_them_per_request(server_config):
+    async def draws(seed):
+        async with VLLMClient(server_config(seed=seed, max_completion_length=12)) as client:
+            await client.probe()
+            return [(await client.sample([5, 6, 7])).output_ids.tolist() for _ in range(2)]
+
+    first, again, other = asyncio.run(draws(3)), asyncio.run(draws(3)), asyncio.run(draws(4))
+    assert first == again, "same seed: same tokens"
+    assert first[0] != first[1] and first != other, "each request draws its own seed"
+
+
+def test_a_url_that_is_no_vllm_root_fails_at_once(vllm_server, server_config):
+    async def go():
+        async with VLLMClient(server_config(vllm_server_base_url=f"{vllm_server.url}/api")) as client:
+            with pytest.raises(ServerUnavailableError, match=r"/api/health answered 404.*not the root"):
+                await client.wait_until_ready(timeout_s=120)  # would wait 120 s before the fix
+
+    asyncio.run(go())
+    with pytest.raises(ValueError, match=r"ends in /v1; pass the server's root \(http://h:8000\)"):
+        server_config(vllm_server_base_url="http://h:8000/v1/")

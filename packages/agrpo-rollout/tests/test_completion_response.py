@@ -7,8 +7,15 @@ import numpy as np
 import pytest
 
 from agrpo_rollout import ResponseFormatError, decode_completion
-from agrpo_rollout._completion_response import _fast
+from agrpo_rollout._completion_response import SMALL_TOP_LOGPROBS_BYTES, _fast
 from tools.bench.rollout_client.__main__ import confident, load_responses
+
+
+@pytest.fixture(autouse=True)
+def bulk_decoder_at_every_size(monkeypatch):
+    """The tests' bodies are short; without this they would take the json.loads path for short arrays
+    and leave the bulk decoder untested. `test_short_arrays_take_json_loads` checks the switch itself."""
+    monkeypatch.setattr("agrpo_rollout._completion_response.SMALL_TOP_LOGPROBS_BYTES", 0)
 
 
 def _same(raw: bytes, num_top: int = 8) -> None:
@@ -202,3 +209,29 @@ def test_text_keys_null_rows_and_other_choices_take_the_plain_path():
             decode_completion(text_keys, [0], 2, reference=reference)
     plain = raw.replace(b'{"token_id:3":-0.25,"token_id:4":-2.5}', b"null", 1)
     assert _fast(plain, 2) is None
+
+
+def test_short_arrays_take_json_loads_and_long_ones_the_bulk_decoder(monkeypatch):
+    """The bulk decoder's fixed cost loses to `json.loads` on short tool turns (measured:
+    `tools/bench/rollout_client/response_size.py`); both give the reference's arrays."""
+    monkeypatch.setattr(
+        "agrpo_rollout._completion_response.SMALL_TOP_LOGPROBS_BYTES", SMALL_TOP_LOGPROBS_BYTES
+    )
+    calls = []
+    real = __import__("agrpo_rollout._completion_response", fromlist=["decode_top_logprobs"])
+    bulk = real.decode_top_logprobs
+    monkeypatch.setattr(real, "decode_top_logprobs", lambda *a: calls.append(1) or bulk(*a))
+    rng = np.random.default_rng(3)
+    for num_tokens, bulk_used in [(4, False), (16, False), (64, True)]:
+        rows, token_ids = _random_rows(rng, num_tokens, 8, _VALUE_KINDS["float32"])
+        raw = _response(rows, token_ids)
+        calls.clear()
+        _same(raw)
+        assert bool(calls) == bulk_used, num_tokens
+
+
+def test_a_body_that_is_not_json_raises_response_format_error():
+    for body in (b"<html>Bad gateway</html>", b"", b'{"choices":[{"token_ids":[1,2'):
+        for num_top in (0, 8):
+            with pytest.raises(ResponseFormatError, match="vLLM"):
+                decode_completion(body, [0], num_top)

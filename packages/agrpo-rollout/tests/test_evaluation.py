@@ -1,9 +1,17 @@
+import asyncio
 import json
+import subprocess
+import sys
 
+import httpx
+import numpy as np
 import pytest
 
-from agrpo_rollout.__main__ import main
-from agrpo_rollout._evaluation import _report, exact_match, extract_answer, load_eval_dataset, resolve_reward
+from agrpo_rollout import ServerUnavailableError
+from agrpo_rollout.__main__ import main, tokenizer_source
+from agrpo_rollout._eval_dataset import load_eval_dataset
+from agrpo_rollout._evaluation import _report, evaluate, exact_match, extract_answer, resolve_reward
+from tools.dev_server import free_port
 
 
 def test_builtin_rewards_and_pass_at_k():
@@ -29,33 +37,212 @@ def test_builtin_rewards_and_pass_at_k():
     )
 
 
-def test_eval_cli_on_a_jsonl_file(vllm_server, tmp_path, capsys):
-    data = tmp_path / "prompts.jsonl"
-    data.write_text(
-        "".join(json.dumps({"question": f"What is {i}+{i}?", "answer": str(2 * i)}) + "\n" for i in range(3))
+def _write_rows(path, rows, extra_lines=()):
+    lines = [json.dumps(r) for r in rows] + list(extra_lines)
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def test_eval_cli_on_a_jsonl_file(vllm_server, tmp_path, capsys, monkeypatch):
+    """Also: malformed rows skipped and counted by flag, a reward module found in the current directory
+    (the console script does not put it on sys.path), and `--seed` repeating the run."""
+    questions = [{"question": f"What is {i}+{i}?", "answer": str(2 * i)} for i in range(3)]
+    data = _write_rows(
+        tmp_path / "prompts.jsonl", questions[:2], ['{"question": "broken', '{"q": "no column"}']
     )
-    out = tmp_path / "completions.jsonl"
-    code = main([
-        "eval", "--base-url", vllm_server.url, "--model", vllm_server.model_name, "--dataset", str(data),
-        "--prompt-column", "question", "--reward", "exact", "--reward", "contains", "--num-generations", "3",
-        "--max-completion-length", "8", "--output", str(out), "--no-progress",
-    ])  # fmt: skip
-    assert code == 0
-    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    data.write_text(data.read_text() + json.dumps(questions[2]) + "\n")
+    (tmp_path / "my_rewards.py").write_text(
+        "def always_one(completions, **_):\n    return [1.0] * len(completions)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    runs = []
+    for out in ("a.jsonl", "b.jsonl"):
+        code = main([
+            "eval", "--base-url", vllm_server.url, "--model", vllm_server.model_name, "--dataset", str(data),
+            "--prompt-column", "question", "--reward", "exact", "--reward", "my_rewards:always_one",
+            "--num-generations", "3", "--max-completion-length", "8", "--output", out, "--no-progress",
+            "--skip-bad-rows", "--seed", "11",
+        ])  # fmt: skip
+        assert code == 0
+        runs.append([json.loads(line) for line in (tmp_path / out).read_text().splitlines()])
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert (
+        printed[0].startswith("skipped 2 malformed rows") and "prompts.jsonl:3: not valid JSON" in printed[0]
+    )
+    report = json.loads(printed[-1])
     assert report["num_prompts"] == 3 and report["num_rollouts"] == 9 and report["k"] == 3
+    assert report["skipped_rows"] == 2 and report["pass_at_k"] == 1.0, "always_one passes every rollout"
     assert 0.0 <= report["pass_at_1"] <= report["pass_at_k"] <= 1.0 and report["tokens_per_s"] > 0
-    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    lines = runs[0]
     assert len(lines) == 9 and {line["row_index"] for line in lines} == {0, 1, 2}
     assert lines[0]["prompt"][0]["role"] == "user" and set(lines[0]["rewards"]) == {
         "exact_match",
-        "contains_answer",
+        "always_one",
     }
+    completions = [
+        sorted((r["row_index"], r["generation"], str(r["completion"])) for r in run) for run in runs
+    ]
+    assert completions[0] == completions[1], "--seed repeats the run"
+    assert len({c[2] for c in completions[0] if c[0] == 0}) > 1, "the rollouts of a prompt still differ"
+
+
+def _cli_user_errors(tmp_path) -> dict:
+    """Runs `main` on user errors in a fresh interpreter: the exit code, stderr, and whether transformers
+    or datasets were imported by then."""
+    good = _write_rows(tmp_path / "good.jsonl", [{"prompt": "hi"}])
+    (tmp_path / "empty.jsonl").write_text("")
+    bad = _write_rows(tmp_path / "bad.jsonl", [{"prompt": "hi"}], ["{not json"])
+    base = ["eval", "--model", "m", "--reward", "exact"]
+    cases = {
+        "top_p": [*base, "--dataset", str(good), "--top-p", "0.9"],
+        "reward": ["eval", "--model", "m", "--dataset", str(good), "--reward", "nope"],
+        "module": ["eval", "--model", "m", "--dataset", str(good), "--reward", "no_such_module_xyz:fn"],
+        "v1": [*base, "--dataset", str(good), "--base-url", "http://localhost:8000/v1"],
+        "empty": [*base, "--dataset", str(tmp_path / "empty.jsonl")],
+        "bad_json": [*base, "--dataset", str(bad)],
+    }
+    code = f"""
+import contextlib, io, json, sys
+from agrpo_rollout.__main__ import main
+out = {{}}
+for name, argv in {cases!r}.items():
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    out[name] = [code, err.getvalue(), [m for m in ("transformers", "datasets") if m in sys.modules]]
+print(json.dumps(out))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_user_errors_are_one_line_each_and_come_before_the_heavy_imports(tmp_path):
+    results = _cli_user_errors(tmp_path)
+    expected = {
+        "top_p": "--top-p=0.9 needs --top-k > 0",
+        "reward": "--reward 'nope': use one of",
+        "module": "no module 'no_such_module_xyz' in the current directory",
+        "v1": "ends in /v1; pass the server's root (http://localhost:8000)",
+        "empty": "has no usable rows: it is empty",
+        "bad_json": "bad.jsonl:2: not valid JSON",
+    }
+    for name, (code, stderr, heavy) in results.items():
+        assert code == 2 and stderr.count("\n") == 1 and stderr.startswith("agrpo-rollout eval: error: "), (
+            name
+        )
+        assert expected[name] in stderr, (name, stderr)
+        assert heavy == [], f"{name}: reported after importing {heavy}"
+    assert "--skip-bad-rows" in results["bad_json"][1]
+
+
+def test_a_wrong_url_fails_fast_naming_the_flags(vllm_server, tmp_path, capsys):
+    data = _write_rows(tmp_path / "p.jsonl", [{"prompt": "hi"}])
+    base = ["eval", "--model", vllm_server.model_name, "--dataset", str(data), "--reward", "exact"]
+    assert main([*base, "--base-url", f"http://127.0.0.1:{free_port()}", "--server-timeout", "1"]) == 2
+    refused = capsys.readouterr().err
+    assert main([*base, "--base-url", f"{vllm_server.url}/api"]) == 2  # the real server answers 404
+    wrong_path = capsys.readouterr().err
+    assert "check --base-url" in refused and "raise --server-timeout" in refused
+    assert "/api/health answered 404" in wrong_path and wrong_path.count("\n") == 1
+
+
+def _save_lora_adapter(model_dir, out_dir):
+    """A rank-1 all-zero PEFT adapter on every q_proj of the tiny model (what vLLM needs to load one)."""
+    from safetensors.numpy import save_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        prefix = f"base_model.model.model.layers.{layer}.self_attn.q_proj"
+        tensors[f"{prefix}.lora_A.weight"] = np.zeros((1, hidden), np.float32)
+        tensors[f"{prefix}.lora_B.weight"] = np.zeros((heads * head_dim, 1), np.float32)
+    out_dir.mkdir()
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
+    peft = {"peft_type": "LORA", "r": 1, "lora_alpha": 1, "target_modules": ["q_proj"], "bias": "none",
+            "task_type": "CAUSAL_LM", "base_model_name_or_path": str(model_dir)}  # fmt: skip
+    (out_dir / "adapter_config.json").write_text(json.dumps(peft))
+    return out_dir
+
+
+def test_a_served_name_that_is_no_tokenizer_fails_at_once_naming_tokenizer(
+    vllm_server, tiny_qwen3_dir, tmp_path, capsys
+):
+    """Without --tokenizer the CLI loaded `--model` with transformers: for a LoRA adapter's name that meant
+    a hub lookup (55 s of retries offline) and a library traceback."""
+    adapter = _save_lora_adapter(tiny_qwen3_dir, tmp_path / "adapter")
+    data = _write_rows(tmp_path / "p.jsonl", [{"prompt": "hi"}])
+    loaded = httpx.post(f"{vllm_server.url}/v1/load_lora_adapter", json={"lora_name": "eval-alias", "lora_path": str(adapter)}, timeout=120)  # fmt: skip
+    assert loaded.status_code == 200, loaded.text
+    try:
+        argv = ["eval", "--base-url", vllm_server.url, "--model", "eval-alias", "--dataset", str(data), "--reward", "exact"]  # fmt: skip
+        assert main(argv) == 2
+    finally:
+        httpx.post(f"{vllm_server.url}/v1/unload_lora_adapter", json={"lora_name": "eval-alias"}, timeout=60)
+    err = capsys.readouterr().err
+    assert f"'eval-alias' is a LoRA adapter of '{vllm_server.model_name}'" in err
+    assert f"pass --tokenizer {vllm_server.model_name}" in err and err.count("\n") == 1
+    alias = [{"id": "policy", "root": "Qwen/Qwen3-4B"}]  # what `--served-model-name policy` lists
+    with pytest.raises(ValueError, match="server's name for Qwen/Qwen3-4B.*pass --tokenizer Qwen/Qwen3-4B"):
+        tokenizer_source("policy", alias)
+    assert (
+        tokenizer_source("Qwen/Qwen3-4B", [{"id": "Qwen/Qwen3-4B", "root": "Qwen/Qwen3-4B"}])
+        == "Qwen/Qwen3-4B"
+    )
+
+
+def length_reward(completions, **_):
+    return [float(len(str(c))) for c in completions]
+
+
+def test_rollouts_reach_the_output_as_they_finish_so_a_crash_keeps_them(
+    fault_proxy, server_config, tool_tokenizer, tmp_path
+):
+    """The server dies after the first prompt's two rollouts: that prompt's lines are already written."""
+    out = tmp_path / "out.jsonl"
+
+    async def go():
+        async with fault_proxy(["pass", "pass"] + ["500"] * 50) as url:
+            config = server_config(
+                vllm_server_base_url=url,
+                max_concurrent_rollouts=2,
+                vllm_max_retries=1,
+                vllm_retry_backoff_s=0.5,
+            )
+            rows = [{"prompt": [{"role": "user", "content": f"q{i}"}]} for i in range(3)]
+            with pytest.raises(ServerUnavailableError):
+                await evaluate(
+                    config, tokenizer=tool_tokenizer, dataset=rows, reward_funcs=[length_reward],
+                    output_path=out, progress=False,
+                )  # fmt: skip
+
+    asyncio.run(go())
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["row_index"], r["generation"]) for r in lines] == [(0, 0), (0, 1)]
+
+
+def test_malformed_rows_are_named_by_file_and_line(tmp_path):
+    path = _write_rows(
+        tmp_path / "d.jsonl", [{"prompt": "ok"}, {"prompt": ""}, {"prompt": [{"role": "user"}]}]
+    )
+    with pytest.raises(ValueError, match=r"d\.jsonl:2: 'prompt' must be a non-empty string"):
+        load_eval_dataset(str(path))
+    loaded = load_eval_dataset(str(path), skip_bad_rows=True)
+    assert [r["prompt"] for r in loaded.rows] == [[{"role": "user", "content": "ok"}]]
+    assert [s.split(": ")[0].rsplit(":", 1)[1] for s in loaded.skipped] == ["2", "3"]
+    listed = tmp_path / "d.json"
+    listed.write_text(json.dumps([{"prompt": "a"}, 7]))
+    with pytest.raises(ValueError, match=r"d\.json item 1: a row must be a JSON object, got int"):
+        load_eval_dataset(str(listed))
 
 
 def test_reasoning_gym_tasks_load_and_score_with_their_own_scorer():
     from agrpo_rollout._evaluation import gym_score
 
-    rows = load_eval_dataset("basic_arithmetic", num_prompts=3, seed=1)
+    rows = load_eval_dataset("basic_arithmetic", num_prompts=3, seed=1).rows
     assert len(rows) == 3 and rows[0]["prompt"][0]["role"] == "user"
     right = [[{"role": "assistant", "content": f"<answer>{r['answer']}</answer>"}] for r in rows]
     assert gym_score(right, entry=[r["entry"] for r in rows]) == [1.0, 1.0, 1.0]

@@ -7,6 +7,7 @@ EXPECTED = [
     "AssistantMessage",
     "AsyncRolloutLoop",
     "ConcurrencyController",
+    "DatasetError",
     "GroupOutcome",
     "PACK_FIELDS",
     "PromptsExhaustedError",

@@ -8,13 +8,20 @@ only (`output_mask` 0): nothing is trained on them and no log-prob is invented f
 
 import asyncio
 import logging
+import math
 import re
 
 import numpy as np
 import pytest
 
 from agrpo_packing import PackSample
-from agrpo_rollout import AsyncRolloutLoop, RequestRejectedError, TopLogprobs, TurnRecord
+from agrpo_rollout import (
+    AsyncRolloutLoop,
+    RequestRejectedError,
+    ServerUnavailableError,
+    TopLogprobs,
+    TurnRecord,
+)
 
 
 def add(a: int, b: int) -> int:
@@ -323,6 +330,31 @@ def test_failures_end_the_run_with_the_original_error(server_config, tool_tokeni
         asyncio.run(loop.run(full_queue, metrics_sink=lambda metrics: None))
 
 
+def test_a_failed_rollout_stops_dispatch_at_once(fault_proxy, server_config, tool_tokenizer):
+    """The server dies (every completion answers 500). With 2 slots and groups of 4, the dispatcher used to
+    start the group's other rollouts, each with a fresh retry budget, after the first had failed, and only
+    looked at a group's failure once the whole group was dispatched: about 2x the retry budget, or more."""
+    started = []
+
+    class Counting(AsyncRolloutLoop):
+        async def generate_one(self, prompt, tools, group_id=0):
+            started.append(group_id)
+            return await super().generate_one(prompt, tools, group_id)
+
+    async def go():
+        async with fault_proxy(["500"] * 100) as url:
+            config = server_config(
+                vllm_server_base_url=url, num_generations=4, max_concurrent_rollouts=2, vllm_max_retries=2
+            )
+            dataset = [{"prompt": _chat(f"q{i}")} for i in range(3)]
+            loop = Counting(config, tokenizer=tool_tokenizer, dataset=dataset, reward_funcs=length_reward)
+            with pytest.raises(ServerUnavailableError, match="failed 3 times"):
+                await loop.run(lambda sample: None)
+
+    asyncio.run(go())
+    assert started == [0, 0], "no rollout starts after one failed"
+
+
 def test_a_group_whose_adapter_left_the_server_is_dropped_as_stale_once_a_newer_version_exists(
     server_config, tool_tokenizer, monkeypatch
 ):
@@ -339,6 +371,49 @@ def test_a_group_whose_adapter_left_the_server_is_dropped_as_stale_once_a_newer_
     loop = AsyncRolloutLoop(config, tokenizer=tool_tokenizer, dataset=dataset, reward_funcs=length_reward)
     with pytest.raises(RequestRejectedError, match="never-loaded-v3"):  # no newer version: a real error
         asyncio.run(loop.run(lambda sample: None, policy_version=lambda: 3, max_groups=1))
+
+
+def wild_reward(completions, **_):
+    """inf and 1e308 (beyond float32, overflows a float64 sum), then 3e38 and two ordinary rewards."""
+    return [math.inf, 1e308, 3e38, 1.0, 0.0]
+
+
+def bonus_reward(completions, **_):
+    """Only rollout 2 gets one: 3e38 + 3e38 leaves float32's range."""
+    return [None, None, 3e38, None, None]
+
+
+def first_wins(completions, **_):
+    return [1.0] + [0.0] * (len(completions) - 1)
+
+
+def test_infinite_and_overflowing_rewards_are_excluded_counted_and_never_make_nan_advantages(
+    server_config, tool_tokenizer, caplog
+):
+    dataset = [{"prompt": _chat("q")}]
+    loop = AsyncRolloutLoop(
+        server_config(num_generations=5), tokenizer=tool_tokenizer, dataset=dataset,
+        reward_funcs=[wild_reward, bonus_reward], max_epochs=1,
+    )  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="agrpo_rollout"):
+        samples, groups, metrics = _run(loop)
+    assert groups[0].kept and len(samples) == 5
+    by_rollout = {s.rollout_id: s for s in samples}
+    rollouts = groups[0].group.rollouts
+    advantages = [by_rollout[r.rollout_id].advantage for r in rollouts]
+    assert np.isfinite([a for s in samples for a in s.advantages]).all()
+    assert advantages[:3] == [0.0, 0.0, 0.0] and advantages[3] == pytest.approx(1.0, abs=1e-5)
+    assert all(math.isnan(by_rollout[r.rollout_id].reward) for r in rollouts[:3])
+    assert metrics[-1]["rollout/rewards_nonfinite_total"] == 3.0  # inf, 1e308, and the overflowing sum
+    assert "'wild_reward' gave 2" in caplog.text and "(sum of sources)" in caplog.text
+
+    class NaNAdvantages(AsyncRolloutLoop):
+        def compute_advantages(self, group):
+            return np.full(len(group.rewards), np.nan)
+
+    loop = NaNAdvantages(server_config(), tokenizer=tool_tokenizer, dataset=dataset, reward_funcs=first_wins)
+    with pytest.raises(ValueError, match="compute_advantages returned.*return finite advantages"):
+        asyncio.run(loop.run(lambda sample: None, max_groups=1))
 
 
 class ReferenceSignatureLoop(AsyncRolloutLoop):

@@ -46,3 +46,26 @@ def test_wrong_length_and_duplicate_names_are_user_errors():
     with pytest.raises(ValueError, match="distinct"):
         RewardScorer([length_reward, length_reward])
     assert reward_name(functools.partial(functools.partial(length_reward))) == "length_reward"
+
+
+def test_a_bare_float_or_a_non_number_names_the_function():
+    def mean_score(completions, **_):
+        return 0.5
+
+    def labels(completions, **_):
+        return ["good"] * len(completions)
+
+    with pytest.raises(TypeError, match=r"reward function mean_score returned 0\.5 \(float\).*one float"):
+        asyncio.run(RewardScorer([mean_score]).score(["a"], ["a"], [[]], {}))
+    with pytest.raises(TypeError, match="reward function labels returned 'good' for completion 0"):
+        asyncio.run(RewardScorer([labels]).score(["a"], ["a"], [[]], {}))
+
+
+def test_infinite_and_out_of_range_values_are_excluded_and_counted():
+    from agrpo_rollout._reward import exclude_unusable
+
+    columns, counts = exclude_unusable(
+        {"f": np.array([np.inf, 1e308, 1.0, np.nan]), "g": np.array([1.0, 2.0, -np.inf, 0.0])}
+    )
+    assert counts == {"f": 2, "g": 1}
+    assert np.isnan(columns["f"][:2]).all() and columns["f"][2] == 1.0 and np.isnan(columns["g"][2])

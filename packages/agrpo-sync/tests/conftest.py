@@ -1,9 +1,13 @@
 """Fixtures of agrpo-sync's tests: a fault-injecting proxy in front of the real server, log-prob probes,
-the stub worker for the NCCL protocol (CPU, gloo), and restoring the shared server after a test."""
+the stub worker for the NCCL protocol (CPU, gloo), restoring the shared server after a test, and a limit
+on the size of the files this process writes (a real "File too large")."""
 
 from __future__ import annotations
 
+import resource
+import signal
 import threading
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
@@ -173,3 +177,22 @@ def stub_worker():
     yield worker
     worker.released.set()
     server.shutdown()
+
+
+@contextmanager
+def _file_size_limit(num_bytes: int):
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (num_bytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+@pytest.fixture
+def file_size_limit():
+    """`with file_size_limit(n):` files this process writes may not exceed n bytes; writing more fails with
+    the OS's "File too large" (EFBIG), as a full or quota-limited disk would."""
+    return _file_size_limit

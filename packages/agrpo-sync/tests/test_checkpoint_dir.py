@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
-from agrpo_sync._checkpoint_dir import INDEX_FILE, host_copy, write_checkpoint
+from agrpo_sync._checkpoint_dir import (
+    INDEX_FILE,
+    CheckpointWriteError,
+    fresh_directory,
+    host_copy,
+    write_checkpoint,
+)
 
 
 def test_shards_and_index_hold_every_tensor_and_the_partial_dir_is_gone(tmp_path):
@@ -41,3 +48,18 @@ def test_tensors_sharing_storage_are_copied_apart():
     copies = host_copy([("whole", base), ("alias", base.view(2, 3))])
     assert copies["alias"].untyped_storage().data_ptr() != copies["whole"].untyped_storage().data_ptr()
     assert torch.equal(copies["alias"], base.view(2, 3))
+
+
+def test_a_failed_write_leaves_no_partial_directory_and_names_the_cause(tmp_path, file_size_limit):
+    # safetensors raises its own SafetensorError (not OSError) for "File too large" / "No space left"
+    with file_size_limit(4096), pytest.raises(CheckpointWriteError, match="File too large") as error:
+        write_checkpoint(iter([[("big", torch.zeros(10_000))]]), tmp_path / "v1")
+    assert isinstance(error.value, OSError) and "SafetensorError" in str(error.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_directory_in_use_gets_a_fresh_name_beside_it(tmp_path):
+    target = tmp_path / "p-v3"
+    assert fresh_directory(target, set()) == target
+    assert fresh_directory(target, {target}) == tmp_path / "p-v3.1"
+    assert fresh_directory(target, {target, tmp_path / "p-v3.1"}) == tmp_path / "p-v3.2"

@@ -32,6 +32,9 @@ def test_defaults_and_derived_directories():
         "keep",
         4,
     )
+    assert (
+        config.pause_clear_cache is True
+    )  # sampler log-probs stay the served weights' (test_stale_prefix.py)
     assert config.packed_buffer_size_bytes == 1 << 30 and config.packed_num_buffers == 2
     assert config.lora_dir == Path("/tmp/run/.vllm_lora") and config.weights_dir == Path(
         "/tmp/run/.vllm_weights"
@@ -39,3 +42,13 @@ def test_defaults_and_derived_directories():
     assert _config(disk_dir="/shared/w").weights_dir == Path("/shared/w")
     with pytest.raises(TypeError):
         WeightSyncConfig("http://h:8000", "/tmp/run")  # keyword-only
+
+
+@pytest.mark.parametrize("name", ["../escape", "a/b", "..", ".hidden", "", "a/../../b", "x..y", "/abs"])
+def test_lora_names_that_would_leave_the_adapter_directory_are_refused(name):
+    with pytest.raises(SyncSetupError, match="lora_name"):
+        _config(lora_name=name)
+
+
+def test_ordinary_lora_names_are_accepted():
+    assert _config(lora_name="agrpo-policy_2.run-3").lora_name == "agrpo-policy_2.run-3"

@@ -11,7 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agrpo_sync import ServerControl, TransferFailedError, WeightSync, WeightSyncConfig
+from agrpo_sync import ManifestMismatchError, ServerControl, TransferFailedError, WeightSync, WeightSyncConfig
+from tools.dev_server import VLLMServer
+from tools.tiny_models import TinyModelSpec, save_tiny_model
 
 pytestmark = [pytest.mark.server, pytest.mark.usefixtures("restore_server")]
 TOLERANCE = 1e-4
@@ -43,6 +45,65 @@ def test_after_a_sync_the_server_serves_the_trainers_new_weights(
     sync.sync(model, 2)
     assert sorted(p.name for p in (tmp_path / ".vllm_weights").iterdir()) == ["v2"]  # only the newest kept
     assert timings.pause_s > 0 and timings.transfer_s > 0
+    # the checkpoint is written before generation pauses: the pause covers the reload only
+    assert (
+        timings.stage_s > 0 and timings.generation_paused_s < timings.weight_sync_s - timings.stage_s + 1e-3
+    )
+    assert "perf/weight_sync_stage_s" in timings.metrics()
+    sync.sync(model, 2)  # the same version twice: written beside the served directory, never over it
+    assert sorted(p.name for p in (tmp_path / ".vllm_weights").iterdir()) == ["v2.1"]
+    assert torch.allclose(logprobs.server(vllm_server.model_name), logprobs.trainer(model), atol=TOLERANCE)
+
+
+def test_a_reload_the_server_refuses_is_undone_on_a_fresh_connection(
+    vllm_server, tmp_path, tiny_model, perturb, logprobs
+):
+    model = tiny_model()
+    perturb(model, 1)
+    sync = WeightSync.start(_config(vllm_server.url, tmp_path), model)
+    sync.sync(model, 1)
+    good = logprobs.server(vllm_server.model_name)
+    stage = sync.backend.stage
+
+    def truncated_stage(stream, version):  # the server's own refusal: a shard cut in half
+        stage(stream, version)
+        shard = sorted(sync.backend._staged[1].glob("*.safetensors"))[0]
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+
+    sync.backend.stage = truncated_stage
+    perturb(model, 2)
+    # vLLM answers 500 and closes that connection; a recovery reusing it failed with "connection reset"
+    with pytest.raises(
+        TransferFailedError, match="collective_rpc: HTTP 500.*deserializing header"
+    ) as failure:
+        sync.sync(model, 2)
+    assert "reloaded from" in failure.value.server_state and "/v1" in failure.value.server_state
+    assert not failure.value.left_paused
+    control = ServerControl(vllm_server.url)
+    assert control.is_paused() is False and control.weight_version() == "1"
+    assert torch.allclose(logprobs.server(vllm_server.model_name), good, atol=TOLERANCE)
+    assert sorted(p.name for p in (tmp_path / ".vllm_weights").iterdir()) == ["v1"]
+
+
+def test_a_checkpoint_that_cannot_be_written_pauses_nothing_and_leaves_nothing(
+    vllm_server, tmp_path, tiny_model, perturb, logprobs, file_size_limit
+):
+    model = tiny_model()
+    before = logprobs.server(vllm_server.model_name)
+    sync = WeightSync.start(_config(vllm_server.url, tmp_path), model)
+    pauses = []
+    sync.control.pause = lambda *args: pauses.append(args)
+    perturb(model, 3)
+    # a real "File too large" from the OS, raised by safetensors as its own SafetensorError
+    with (
+        file_size_limit(20_000),
+        pytest.raises(TransferFailedError, match="before pausing.*File too large") as failure,
+    ):
+        sync.sync(model, 1)
+    assert "nothing reached the server" in failure.value.server_state and not failure.value.left_paused
+    assert pauses == [] and list((tmp_path / ".vllm_weights").iterdir()) == []
+    assert ServerControl(vllm_server.url).is_paused() is False
+    assert torch.allclose(logprobs.server(vllm_server.model_name), before, atol=TOLERANCE)
 
 
 def test_a_failed_reload_is_undone_and_generation_resumed(
@@ -96,3 +157,37 @@ def test_a_reload_that_cannot_be_undone_keeps_generation_paused_until_a_complete
     sync.sync(model, 1)  # what the error says to do: a complete sync resumes generation
     assert control.is_paused() is False and control.weight_version() == "1"
     assert torch.allclose(logprobs.server(vllm_server.model_name), logprobs.trainer(model), atol=TOLERANCE)
+
+
+@pytest.fixture
+def own_server(tmp_path_factory):
+    """A server of its own: a reload with a tensor of another shape breaks a vLLM 0.32 server for good."""
+    model_dir = save_tiny_model(tmp_path_factory.mktemp("tiny-own"), TinyModelSpec())
+    with VLLMServer(model_dir=model_dir, max_model_len=512) as server:
+        yield server
+
+
+def test_a_tensor_of_another_shape_is_refused_before_pausing_and_the_servers_own_refusal_is_reported(
+    own_server, tmp_path, tiny_model
+):
+    model = tiny_model()
+    url = own_server.url
+    sync = WeightSync.start(_config(url, tmp_path), model)
+    control = ServerControl(url)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight = torch.nn.Parameter(torch.zeros(64, 120))
+    name = r"model\.layers\.0\.mlp\.down_proj\.weight \[64, 120\] \(expected \[64, 128\]\)"
+    with pytest.raises(ManifestMismatchError, match=name) as refused:  # checked against the served checkpoint
+        sync.sync(model, 1)
+    assert "nothing was sent and generation was not paused" in refused.value.server_state
+    assert control.is_paused() is False and control.weight_version() == "default"
+    sync.manifest = None  # without the pre-flight, the server itself refuses the reload (HTTP 500)
+    with pytest.raises(TransferFailedError, match="exceeds dimension size") as failure:
+        sync.sync(model, 1)
+    message = str(failure.value) + "".join(getattr(failure.value, "__notes__", []))
+    # the recovery reload reached the server on a fresh connection (no "connection reset"), which refused it
+    # too: vLLM keeps the misshapen tensor, so only a restart helps; a bare /resume would crash the engine
+    assert "restoring the last good version failed too" in message and "Connection reset" not in message
+    assert "restart it" in message and "/resume" not in message and failure.value.left_paused
+    assert control.is_paused() is True
+    control.close()

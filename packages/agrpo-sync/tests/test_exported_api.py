@@ -8,6 +8,7 @@ EXPORTED = [
     "ChunkTransport",
     "DiskBackend",
     "LoraAdapterBackend",
+    "ManifestMismatchError",
     "NcclBackend",
     "NcclTransport",
     "ParamStream",

@@ -1,10 +1,12 @@
 """Adapter-only LoRA sync against the real CPU server (`--enable-lora --max-lora-rank 8 --max-loras 4`):
 each new version serves the new adapter, in-window versions keep serving, out-of-window versions are
-gone from the server and from disk; plus the start-up checks and a failed load."""
+gone from the server and from disk; re-pushing a registered version loads it in place, a restarted
+trainer takes over the window; plus the start-up checks and a failed load."""
 
 from __future__ import annotations
 
 import dataclasses
+import shutil
 
 import pytest
 import torch
@@ -114,3 +116,51 @@ def test_start_up_checks_print_the_exact_flags_to_restart_with(vllm_server, tmp_
     assert restart_command(LoraConfig(r=20, rank_pattern={"q_proj": 40}), 1).endswith(
         "--max-lora-rank 64 --max-loras 3"
     )
+
+
+def test_re_pushing_a_registered_version_loads_it_in_place_from_a_fresh_directory(
+    vllm_server, tmp_path, tiny_model, perturb, logprobs
+):
+    model = _peft_model(tiny_model)
+    sync = WeightSync.start(_config(vllm_server.url, tmp_path, lora_sync="adapter", max_staleness=1), model)
+    for version in (1, 2):
+        perturb(model, version, skip="", only="lora_", scale=0.1)
+        sync.sync(model, version)
+    perturb(model, 3, skip="", only="lora_", scale=0.1)
+    sync.sync(model, 2)  # vLLM answered 400 "already loaded" and the registered directory was deleted
+    assert torch.allclose(logprobs.server(adapter_name(NAME, 2)), logprobs.trainer(model), atol=TOLERANCE)
+    assert _registered(vllm_server.url) == [adapter_name(NAME, v) for v in (1, 2)]
+    lora_dir = tmp_path / ".vllm_lora"
+    assert sorted(p.name for p in lora_dir.iterdir()) == [adapter_name(NAME, 1), adapter_name(NAME, 2) + ".1"]
+    sync.sync(model, 3)  # the window moves on as usual; every registered adapter still serves
+    assert _registered(vllm_server.url) == [adapter_name(NAME, v) for v in (2, 3)]
+    assert torch.allclose(logprobs.server(adapter_name(NAME, 2)), logprobs.trainer(model), atol=TOLERANCE)
+    sync.close()
+    assert _registered(vllm_server.url) == [] and list(lora_dir.iterdir()) == []
+
+
+def test_a_restarted_trainer_takes_over_the_window_and_deletes_only_inside_its_directory(
+    vllm_server, tmp_path, tiny_model, perturb, logprobs
+):
+    model = _peft_model(tiny_model)
+    config = _config(vllm_server.url, tmp_path, lora_sync="adapter", max_staleness=1)
+    before = WeightSync.start(config, model)
+    perturb(model, 1, skip="", only="lora_", scale=0.1)
+    before.sync(model, 1)
+    elsewhere = tmp_path / "elsewhere"  # an adapter of this name registered from outside .vllm_lora
+    shutil.move(tmp_path / ".vllm_lora" / adapter_name(NAME, 1), elsewhere)
+    control = ServerControl(vllm_server.url)
+    control.unload_lora_adapter(adapter_name(NAME, 1))
+    control.load_lora_adapter(adapter_name(NAME, 1), str(elsewhere))
+    perturb(model, 2, skip="", only="lora_", scale=0.1)
+    before.sync(model, 2)  # the trainer stops here without close()
+    after = WeightSync.start(config, model)
+    assert after.backend.live == [1, 2]
+    after.sync(model, 2)  # a re-push inside the window: in place
+    perturb(model, 3, skip="", only="lora_", scale=0.1)
+    after.sync(model, 3)
+    assert _registered(vllm_server.url) == [adapter_name(NAME, v) for v in (2, 3)]
+    assert torch.allclose(logprobs.server(adapter_name(NAME, 3)), logprobs.trainer(model), atol=TOLERANCE)
+    assert elsewhere.is_dir()  # unloaded, but not deleted: it is outside <output_dir>/.vllm_lora
+    after.close()
+    assert _registered(vllm_server.url) == [] and list((tmp_path / ".vllm_lora").iterdir()) == []

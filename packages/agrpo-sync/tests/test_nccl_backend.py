@@ -57,7 +57,7 @@ def test_init_then_each_sync_follow_the_servers_protocol(stub_worker, tmp_path, 
     assert stub_worker.chunks_received > 1  # several packed chunks per sync at this buffer size
     assert set(timings.metrics()) == {
         "perf/weight_sync_s", "perf/weight_sync_pause_s", "perf/weight_sync_barrier_s", "perf/weight_sync_transfer_s",
-        "perf/weight_sync_retries",
+        "perf/weight_sync_retries", "perf/weight_sync_stage_s", "perf/weight_sync_generation_paused_s",
     }  # fmt: skip
     assert timings.metrics()["perf/weight_sync_retries"] == 0
     assert timings.num_bytes == sum(p.nbytes for p in model.parameters())

@@ -1,20 +1,32 @@
-"""`WeightSync`: backend choice, timings, and two FSDP2 ranks where only rank 0 talks to the server."""
+"""`WeightSync`: backend choice, timings, two FSDP2 ranks where only rank 0 talks to the server, the
+pre-flight manifest check, one sync at a time, and the start-up warnings (real CPU server where marked)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from agrpo_sync import ServerInfo, SyncSetupError, WeightSyncConfig
-from agrpo_sync._weight_sync import choose_backend
+from agrpo_sync import (
+    ManifestMismatchError,
+    ServerControl,
+    ServerInfo,
+    SyncSetupError,
+    WeightSync,
+    WeightSyncConfig,
+    WeightSyncError,
+)
+from agrpo_sync._start_checks import choose_backend, has_tied_embedding
+from tools.tiny_models import TinyModelSpec, build_model, build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[3]
 RANK_SCRIPT = Path(__file__).with_name("fsdp_sync_rank.py")
@@ -82,3 +94,87 @@ def test_fsdp2_ranks_gather_in_buckets_and_only_rank_0_talks(stub_worker, tmp_pa
     assert all("the retry failed too" in r["third"] for r in results)  # both ranks see the failure
     assert all("generation stays paused" in r["third"] for r in results)
     assert stub_worker.state["paused"] is True  # left paused: its layers mix versions 2 and 3
+
+
+def _disk(url: str, tmp_path, **overrides) -> WeightSyncConfig:
+    return WeightSyncConfig(base_url=url, output_dir=str(tmp_path), backend="disk", **overrides)
+
+
+@pytest.mark.server
+@pytest.mark.usefixtures("restore_server")
+def test_a_missing_tensor_is_refused_before_pausing(vllm_server, tmp_path, tiny_model, perturb, logprobs):
+    model = tiny_model()
+    perturb(model, 1)
+    sync = WeightSync.start(_disk(vllm_server.url, tmp_path, non_text_modules=("mlp",)), model)
+    sync.sync(model, 1)
+    served = logprobs.server(vllm_server.model_name)
+    perturb(model, 2)
+    model.model.layers[1].mlp.requires_grad_(False)  # now taken for a frozen tower: not sent
+    pauses = []
+    sync.control.pause = lambda *args: pauses.append(args)
+    with pytest.raises(
+        ManifestMismatchError, match="3 missing: model.layers.1.mlp.down_proj.weight"
+    ) as refused:
+        sync.sync(model, 2)  # vLLM would reload the rest and serve a mix of versions 1 and 2
+    assert "the first sync (version 1)" in str(refused.value) and pauses == []
+    assert ServerControl(vllm_server.url).weight_version() == "1"
+    assert torch.allclose(logprobs.server(vllm_server.model_name), served, atol=1e-4)
+
+
+@pytest.mark.server
+@pytest.mark.usefixtures("restore_server")
+def test_a_second_thread_is_refused_while_a_sync_runs(vllm_server, tmp_path, tiny_model, perturb, logprobs):
+    model = tiny_model()
+    perturb(model, 1)
+    sync = WeightSync.start(_disk(vllm_server.url, tmp_path), model)
+    inside, release, outcome = threading.Event(), threading.Event(), {}
+    reload = sync.control.reload_weights
+
+    def held_reload(path):
+        inside.set()
+        release.wait(60)
+        reload(path)
+
+    sync.control.reload_weights = held_reload
+    first = threading.Thread(target=lambda: outcome.update(first=sync.sync(model, 1)))
+    first.start()
+    assert inside.wait(60)
+    with pytest.raises(
+        WeightSyncError, match=r"sync\(version=2\) was called while sync\(version=1\) is running"
+    ):
+        sync.sync(model, 2)
+    release.set()
+    first.join(60)
+    assert outcome["first"].retries == 0
+    assert ServerControl(vllm_server.url).weight_version() == "1"
+    assert torch.allclose(logprobs.server(vllm_server.model_name), logprobs.trainer(model), atol=1e-4)
+    assert sorted(p.name for p in (tmp_path / ".vllm_weights").iterdir()) == ["v1"]
+    sync.control.reload_weights = reload
+    sync.sync(model, 2)  # after the first returned, the next sync runs as usual
+
+
+def test_tied_embeddings_are_recognised(tiny_model):
+    assert has_tied_embedding(tiny_model())
+    untied = build_model(TinyModelSpec(tie_word_embeddings=False), build_tokenizer())
+    assert not has_tied_embedding(untied)
+    assert has_tied_embedding(get_peft_model(tiny_model(), LoraConfig(r=8, target_modules=["q_proj"])))
+
+
+@pytest.mark.server
+def test_a_tied_embedding_on_a_cpu_server_is_warned_about_at_start(vllm_server, tmp_path, tiny_model, caplog):
+    with caplog.at_level(logging.WARNING, logger="agrpo_sync"):
+        WeightSync.start(_disk(vllm_server.url, tmp_path), tiny_model()).close()
+    tied = [r.getMessage() for r in caplog.records if "ties its output head" in r.getMessage()]
+    assert len(tied) == 1 and "tie_word_embeddings=False" in tied[0]
+    caplog.clear()
+    untied = build_model(TinyModelSpec(tie_word_embeddings=False), build_tokenizer())
+    with caplog.at_level(logging.WARNING, logger="agrpo_sync"):
+        WeightSync.start(_disk(vllm_server.url, tmp_path), untied).close()
+    assert not [r for r in caplog.records if "ties its output head" in r.getMessage()]
+
+
+def test_versions_that_cannot_name_a_directory_are_refused():
+    sync = WeightSync(config=_config(), backend_name="disk", backend=None, control=None, rank=0, world_size=1)
+    for version in (-1, "../x", 1.5, True):
+        with pytest.raises(ValueError, match="version="):
+            sync.sync(None, version)

@@ -9,6 +9,7 @@ from ._completion_response import decode_completion, decode_generate
 from ._concurrency import ConcurrencyController
 from ._config import RolloutConfig
 from ._exceptions import (
+    DatasetError,
     PromptsExhaustedError,
     RequestRejectedError,
     ResponseFormatError,
@@ -38,6 +39,7 @@ __all__ = [
     "AssistantMessage",
     "AsyncRolloutLoop",
     "ConcurrencyController",
+    "DatasetError",
     "GroupOutcome",
     "PACK_FIELDS",
     "PromptsExhaustedError",

@@ -6,9 +6,11 @@ and how many requests are in flight.
 
 Retry policy: connection errors, timeouts, 5xx, 408 and 429 are retried with exponential backoff
 (`vllm_retry_backoff_s`, doubling, capped at 16 s) up to `vllm_max_retries` times, each counted in
-`retry_total` (`rollout/vllm_retry_total`); other 4xx raise `RequestRejectedError` at once because
-the same request would fail again (the reference retried those 30 times). A prompt that leaves no
-room under `max_model_len` returns an empty `length` turn without a request.
+`retry_total` (`rollout/vllm_retry_total`) and logged at most once per 10 s (with the count since the
+previous line), so a server that is down is visible at once without flooding the log; other 4xx raise
+`RequestRejectedError` at once because the same request would fail again (the reference retried those
+30 times). A prompt that leaves no room under `max_model_len` returns an empty `length` turn without a
+request.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import numpy as np
 from ._completion_response import decode_completion, decode_generate
 from ._config import RolloutConfig
 from ._exceptions import RequestRejectedError, ServerUnavailableError
+from ._request_seed import REQUEST_SEEDS, RequestSeeds
 from ._server import COMPLETIONS_PATH, GENERATE_PATH, ServerInfo, probe_server
 from ._server_load import ServerLoad
 from ._turn import TurnRecord
@@ -36,6 +39,7 @@ POLICY_VERSION: ContextVar[int] = ContextVar("agrpo_policy_version", default=0)
 `model_name` template with `{version}` (LoRA adapter sync) names that version's adapter."""
 _MAX_BACKOFF_S = 16.0
 _RETRY_STATUS = frozenset({408, 429})
+_RETRY_LOG_INTERVAL_S = 10.0
 
 
 class VLLMClient:
@@ -48,6 +52,9 @@ class VLLMClient:
         self.server: ServerInfo | None = None
         self._transport = transport
         self._http: httpx.AsyncClient | None = None
+        self._own_seeds = None if config.seed is None else RequestSeeds(config.seed)
+        self._retry_logged_at = float("-inf")
+        self._retries_since_log = 0
 
     async def open(self) -> VLLMClient:
         """Create the connection pool (sized so the pool never caps concurrency below the bound)."""
@@ -87,6 +94,7 @@ class VLLMClient:
         for attempt in range(self.config.vllm_max_retries + 1):
             if attempt:
                 self.retry_total += 1
+                self._log_retry(f"{method} {self.base_url}{path}", last_error, attempt)
                 await asyncio.sleep(self._backoff_s(attempt - 1))
             try:
                 response = await self._http.request(method, path, **kwargs)
@@ -107,11 +115,26 @@ class VLLMClient:
             f"{last_error}. Check that the server is up, or raise vllm_max_retries / vllm_server_timeout"
         )
 
+    def _log_retry(self, request: str, error: str, attempt: int) -> None:
+        """One warning per `_RETRY_LOG_INTERVAL_S` at most, counting the retries it stands for."""
+        self._retries_since_log += 1
+        now = time.monotonic()
+        if now - self._retry_logged_at < _RETRY_LOG_INTERVAL_S:
+            return
+        logger.warning(
+            "%s failed (%s); retry %d of %d in %.1f s (this line stands for %d retries, one line per %.0f s "
+            "at most; rollout/vllm_retry_total counts them)",
+            request, error, attempt, self.config.vllm_max_retries, self._backoff_s(attempt - 1),
+            self._retries_since_log, _RETRY_LOG_INTERVAL_S,
+        )  # fmt: skip
+        self._retry_logged_at, self._retries_since_log = now, 0
+
     async def wait_until_ready(self, timeout_s: float | None = None) -> None:
         """Poll `GET /health` until it answers 200, for at most `timeout_s` (default: vllm_server_timeout)."""
         if self._http is None:
             await self.open()
-        deadline = time.monotonic() + (self.config.vllm_server_timeout if timeout_s is None else timeout_s)
+        timeout_s = self.config.vllm_server_timeout if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         last = ""
         while time.monotonic() < deadline:
             try:
@@ -120,13 +143,19 @@ class VLLMClient:
                 )
                 if response.status_code == 200:
                     return
+                if response.status_code in (404, 405):  # something answers, but it is no vLLM root
+                    raise ServerUnavailableError(
+                        f"{self.base_url}/health answered {response.status_code}: {self.base_url} is not the "
+                        "root of a vLLM server; check the URL's host, port and path (no /v1)"
+                    )
                 last = f"HTTP {response.status_code}"
             except httpx.TransportError as exc:  # still starting: retried until the deadline
                 last = f"{type(exc).__name__}: {exc}"
             await asyncio.sleep(min(1.0, max(deadline - time.monotonic(), 0.0)))
         raise ServerUnavailableError(
-            f"{self.base_url}/health did not answer 200 within the timeout (last: {last}); start the server "
-            "or raise vllm_server_timeout"
+            f"{self.base_url}/health did not answer 200 within {timeout_s:g} s (last: {last}); check "
+            "vllm_server_base_url (the server's root, e.g. http://localhost:8000), or raise vllm_server_timeout "
+            "if the server is still starting"
         )
 
     async def probe(self) -> ServerInfo:
@@ -164,9 +193,18 @@ class VLLMClient:
             return name.format(version=POLICY_VERSION.get())
         return self.server.model_name if self.server else name
 
+    def _sampling_fields(self) -> dict[str, Any]:
+        """The config's sampling parameters, plus this request's seed when the config has one."""
+        fields = self.config.sampling_fields()
+        if self.config.seed is not None:
+            fields["seed"] = (REQUEST_SEEDS.get() or self._own_seeds).next()
+        return fields
+
     def completion_body(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-        """`/v1/completions` body: token-id prompt, ids as ids (distinct tokens never collapse)."""
+        """`/v1/completions` body: token-id prompt, ids as ids (distinct tokens never collapse). The
+        client's own fields come last, so `extra_request_fields` can never replace them."""
         return {
+            **self.config.extra_request_fields,
             "model": self.request_model(),
             "prompt": prompt,
             "max_tokens": max_tokens,
@@ -175,8 +213,7 @@ class VLLMClient:
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
             "skip_special_tokens": False,
-            **self.config.sampling_fields(),
-            **self.config.extra_request_fields,
+            **self._sampling_fields(),
         }
 
     def generate_body(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
@@ -187,11 +224,11 @@ class VLLMClient:
             "model": self.request_model(),
             "token_ids": prompt,
             "sampling_params": {
+                **self.config.extra_request_fields,
                 "max_tokens": max_tokens,
                 "n": 1,
                 "logprobs": num_top + 1 if num_top else 0,
                 "detokenize": False,
-                **self.config.sampling_fields(),
-                **self.config.extra_request_fields,
+                **self._sampling_fields(),
             },
         }

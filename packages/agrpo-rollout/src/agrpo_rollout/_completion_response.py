@@ -12,7 +12,10 @@ array itself in bulk (`_top_logprobs_json.py`). vLLM lists the sampled token fir
 adds it as entry K+1 only when it is outside the top K, so a row of K+1 entries drops its first, and
 the sampled log-prob is the first entry's (vLLM writes it and `token_logprobs` from the same
 `Logprob`); first ids are checked against `token_ids`. Anything unexpected falls back to the plain
-path, which is also the reference the tests compare against. Cost: `tools/bench/rollout_client`.
+path (`json.loads`), which is also the reference the tests compare against. The bulk decoder's ~90
+numpy calls cost about 60 us whatever the length, so a `top_logprobs` array under
+`SMALL_TOP_LOGPROBS_BYTES` (a short tool turn) is read by `json.loads` of that array alone, which is
+faster there. A body that is not JSON raises `ResponseFormatError`. Cost: `tools/bench/rollout_client`.
 """
 
 from __future__ import annotations
@@ -28,6 +31,12 @@ from ._top_logprobs_json import decode_top_logprobs
 from ._turn import TopLogprobs, TurnRecord
 
 _TOKEN_ID_PREFIX = "token_id:"
+SMALL_TOP_LOGPROBS_BYTES = 6144
+"""A `top_logprobs` array shorter than this (about 20 tokens with 8 log-probs each) is decoded by
+`json.loads`: the bulk decoder's ~90 numpy calls cost a fixed ~60 us that `json.loads` only spends
+above it (`tools/bench/rollout_client/response_size.py`)."""
+_Decoded = tuple[str | None, np.ndarray, np.ndarray, TopLogprobs | None]
+"""finish_reason, (T,) token ids, (T,) sampled log-probs, top log-probs."""
 _TOP_START = b'"top_logprobs":[{'
 _FLOATS = msgspec.json.Decoder(list[float])
 
@@ -79,12 +88,16 @@ _COMPLETION = msgspec.json.Decoder(_Completion)
 _GENERATE = msgspec.json.Decoder(_Generate)
 
 
+def _no_token_ids(raw: bytes) -> ResponseFormatError:
+    return ResponseFormatError(
+        f"response has no choices[0].token_ids (first bytes: {raw[:200]!r}); the client sends "
+        "return_token_ids=true, which needs vLLM >= 0.10"
+    )
+
+
 def _first_choice(choices: Sequence, raw: bytes):
     if not choices or choices[0].token_ids is None:
-        raise ResponseFormatError(
-            f"response has no choices[0].token_ids (first bytes: {raw[:200]!r}); the client sends "
-            "return_token_ids=true, which needs vLLM >= 0.10"
-        )
+        raise _no_token_ids(raw)
     return choices[0]
 
 
@@ -108,69 +121,113 @@ def _fast(raw: bytes, num_top: int):
         return None
     if bytes(choice.logprobs.top_logprobs) != b"0":
         return None
-    decoded = decode_top_logprobs(raw, lo, hi, num_top)
     token_ids = np.asarray(choice.token_ids, dtype=np.int64)
+    if hi - lo < SMALL_TOP_LOGPROBS_BYTES:
+        return _small_top(raw[lo : hi + 1], choice, token_ids, num_top)
+    decoded = decode_top_logprobs(raw, lo, hi, num_top)
     if decoded is None or decoded[0].shape != token_ids.shape or (decoded[0] != token_ids).any():
         return None
     return choice, token_ids, *decoded[1:]
 
 
-def _plain_top(raw: bytes, num_top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The reference path: `json.loads` and one dict per token."""
-    logprobs = json.loads(raw)["choices"][0]["logprobs"]
-    sampled = np.asarray([np.nan if v is None else v for v in logprobs["token_logprobs"]], dtype=np.float32)
-    rows = logprobs["top_logprobs"] or []
-    ids = np.full((len(sampled), num_top), -1, dtype=np.int64)
-    values = np.full((len(sampled), num_top), -np.inf, dtype=np.float32)
+def _small_top(array: bytes, choice: _CompletionChoice, token_ids: np.ndarray, num_top: int):
+    """A short `top_logprobs` array: `json.loads` of it alone beats the bulk decoder's fixed cost."""
+    try:
+        rows = json.loads(array)
+        sampled = np.asarray(_FLOATS.decode(choice.logprobs.token_logprobs), dtype=np.float32)
+    except ValueError:  # msgspec.DecodeError too: a `]` in a text key, a null log-prob: the plain path
+        return None
+    if len(rows) != token_ids.shape[0] or sampled.shape != token_ids.shape:
+        return None
+    return choice, token_ids, sampled, *_top_arrays(rows, token_ids.shape[0], num_top)
+
+
+def _top_arrays(rows: list, num_tokens: int, num_top: int) -> tuple[np.ndarray, np.ndarray]:
+    """(T, K) ids and log-probs from the `top_logprobs` dicts, one Python dict per token."""
+    ids = np.full((num_tokens, num_top), -1, dtype=np.int64)
+    values = np.full((num_tokens, num_top), -np.inf, dtype=np.float32)
     for i, row in enumerate(rows):
         items = list((row or {}).items())
         items = items[1:] if len(items) > num_top else items
         for j, (key, value) in enumerate(items):
             ids[i, j] = int(key.removeprefix(_TOKEN_ID_PREFIX))
             values[i, j] = value
-    return sampled, ids, values
+    return ids, values
 
 
-def _sampled_logprobs(raw_list: msgspec.Raw) -> np.ndarray | None:
+def _not_a_completion(raw: bytes, exc: Exception) -> ResponseFormatError:
+    return ResponseFormatError(
+        f"response is not the JSON of a vLLM completion ({exc}; first bytes: {raw[:200]!r}); check that the "
+        "URL is a vLLM server's root"
+    )
+
+
+def _decode_plain(raw: bytes, num_top: int) -> _Decoded:
+    """The reference path: one `json.loads` of the whole body and a dict per token."""
     try:
-        return np.asarray(_FLOATS.decode(raw_list), dtype=np.float32)
-    except msgspec.DecodeError:  # a null log-prob: leave it to the plain path
+        body = json.loads(raw)
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise _not_a_completion(raw, exc) from exc
+    choices = body.get("choices") if isinstance(body, dict) else None
+    choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+    if choice.get("token_ids") is None:
+        raise _no_token_ids(raw)
+    logprobs = choice.get("logprobs")
+    if not isinstance(logprobs, dict) or logprobs.get("token_logprobs") is None:
+        raise ResponseFormatError("response has no logprobs; the request must set logprobs >= 0")
+    sampled = np.asarray([np.nan if v is None else v for v in logprobs["token_logprobs"]], dtype=np.float32)
+    top = None
+    if num_top > 0:
+        ids, values = _top_arrays(logprobs.get("top_logprobs") or [], len(sampled), num_top)
+        top = TopLogprobs(ids=ids, logprobs=_floor_to_inf(values))
+    return choice.get("finish_reason"), np.asarray(choice["token_ids"], dtype=np.int64), sampled, top
+
+
+def _decode_fast(raw: bytes, num_top: int) -> _Decoded | None:
+    """The fast path (module docstring); None where it does not apply."""
+    fast = _fast(raw, num_top)
+    if fast is None:
         return None
+    choice, token_ids, sampled, top_ids, top_logprobs = fast
+    return (
+        choice.finish_reason,
+        token_ids,
+        sampled,
+        TopLogprobs(ids=top_ids, logprobs=_floor_to_inf(top_logprobs)),
+    )
+
+
+def _decode_envelope(raw: bytes) -> _Decoded | None:
+    """No top log-probs asked: msgspec decodes the envelope and skips `top_logprobs` unparsed; None for a
+    null log-prob (the plain path keeps it as NaN)."""
+    try:
+        choice = _first_choice(_COMPLETION.decode(raw).choices, raw)
+    except msgspec.DecodeError as exc:
+        raise _not_a_completion(raw, exc) from exc
+    if choice.logprobs is None or bytes(choice.logprobs.token_logprobs) == b"null":
+        raise ResponseFormatError("response has no logprobs; the request must set logprobs >= 0")
+    try:
+        sampled = np.asarray(_FLOATS.decode(choice.logprobs.token_logprobs), dtype=np.float32)
+    except msgspec.DecodeError:
+        return None
+    return choice.finish_reason, np.asarray(choice.token_ids, dtype=np.int64), sampled, None
 
 
 def decode_completion(
     raw: bytes, prompt_ids: Sequence[int] | np.ndarray, num_top: int, *, reference: bool = False
 ) -> TurnRecord:
     """Turn a `/v1/completions` response body into a `TurnRecord` (fast path unless `reference`)."""
-    fast = None if reference or num_top <= 0 else _fast(raw, num_top)
-    if fast is not None:
-        choice, token_ids, sampled, top_ids, top_logprobs = fast
-        top = TopLogprobs(ids=top_ids, logprobs=_floor_to_inf(top_logprobs))
-    else:
-        choice, token_ids, sampled, top = _decode_plain(raw, num_top, reference)
+    decoded = None
+    if not reference:
+        decoded = _decode_fast(raw, num_top) if num_top > 0 else _decode_envelope(raw)
+    finish_reason, token_ids, sampled, top = decoded or _decode_plain(raw, num_top)
     return TurnRecord(
         prompt_ids=prompt_ids,
         output_ids=token_ids,
         output_log_probs=sampled,
         output_sampler_logprobs=top,
-        finish_reason=choice.finish_reason,
+        finish_reason=finish_reason,
     )
-
-
-def _decode_plain(raw: bytes, num_top: int, reference: bool):
-    """The general path: msgspec for the envelope, `json`-style decoding of the top log-probs."""
-    choice = _first_choice(_COMPLETION.decode(raw).choices, raw)
-    token_ids = np.asarray(choice.token_ids, dtype=np.int64)
-    if choice.logprobs is None or bytes(choice.logprobs.token_logprobs) == b"null":
-        raise ResponseFormatError("response has no logprobs; the request must set logprobs >= 0")
-    sampled = None if reference else _sampled_logprobs(choice.logprobs.token_logprobs)
-    decoded = None
-    if sampled is None or num_top > 0:
-        sampled, *decoded = _plain_top(raw, num_top)
-    top = None
-    if num_top > 0:
-        top = TopLogprobs(ids=decoded[0], logprobs=_floor_to_inf(decoded[1]))
-    return choice, token_ids, sampled, top
 
 
 def decode_generate(raw: bytes, prompt_ids: Sequence[int] | np.ndarray, num_top: int) -> TurnRecord:
@@ -179,7 +236,10 @@ def decode_generate(raw: bytes, prompt_ids: Sequence[int] | np.ndarray, num_top:
     The request asked for `num_top + 1` log-probs; entries are kept by their rank (1..num_top), so the
     sampled token, listed first, is dropped when it is outside the top `num_top`.
     """
-    choice = _first_choice(_GENERATE.decode(raw).choices, raw)
+    try:
+        choice = _first_choice(_GENERATE.decode(raw).choices, raw)
+    except msgspec.DecodeError as exc:
+        raise _not_a_completion(raw, exc) from exc
     content = choice.logprobs.content if choice.logprobs is not None else None
     if content is None or len(content) != len(choice.token_ids):
         raise ResponseFormatError(

@@ -1,25 +1,25 @@
 """`ConcurrencyController`: the live cap on rollouts in flight, steered by the server's `/metrics`.
 
-Owns the rule of SPEC F-CONC and the slots rollouts acquire. Does not know what a rollout does,
-nor HTTP (`poll` takes a coroutine that returns a `ServerLoad`).
+Owns the slots rollouts acquire, the bound, the polling of `/metrics` and what every rule shares; the
+rules themselves (when the cap rises or falls) are in `_cap_rules.py`: `goodput` (default) or
+`kv_usage` (the reference's, SPEC F-CONC). Does not know what a rollout does, nor HTTP (`poll` takes a
+coroutine that returns a `ServerLoad`).
 
-The rule. Start at `KV cache tokens // max_model_len` (the requests that fit at full length, so the
-first step cannot thrash), capped by the bound `max_concurrent_rollouts`. While nothing waits on the
-server and KV usage stays below 0.6, raise the cap by 25% (at least +1) each time a cap's worth of
-rollouts completes, up to the bound; a poll that sees waiting requests or usage >= 0.6 restarts that
-count. When usage exceeds 0.8, cut the cap by 30% (at least to 1). In-flight rollouts are never
-cancelled: new ones wait until the pool is under the new cap, and no further cut happens until
-then. Without `/metrics` the cap stays at the bound. Preemptions are reported, never acted on: a
-weight sync that resets the prefix cache preempts every running request.
+Shared by every rule: the cap starts at `KV cache tokens // max_model_len` (the requests that fit at
+full length, so the first step cannot thrash), within [1, `max_concurrent_rollouts`]; it never leaves
+that range. In-flight rollouts are never cancelled: after a cut, new ones wait until the pool is under
+the new cap, and no further cut happens until then. Without `/metrics` (or with `fixed`) the cap stays
+at the bound. `rollout/vllm_preemptions_total` counts the server's preemptions since the controller's
+first reading (a running total, like every `*_total`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections.abc import Awaitable, Callable
 
+from ._cap_rules import CAP_RULES, CapRule
 from ._exceptions import ServerError
 from ._server_load import ServerLoad
 
@@ -27,30 +27,39 @@ logger = logging.getLogger("agrpo_rollout")
 
 
 class ConcurrencyController:
-    """Slots for rollouts, `cap` of them at a time; `observe` and `release` move the cap."""
+    """Slots for rollouts, `cap` of them at a time; `observe` and `release` move the cap by `rule`."""
 
-    RAISE_BELOW_KV = 0.6
-    CUT_ABOVE_KV = 0.8
-    RAISE_FACTOR = 1.25
-    CUT_FACTOR = 0.7
-
-    def __init__(self, bound: int, initial: int | None = None) -> None:
+    def __init__(self, bound: int, initial: int | None = None, *, rule: str = "goodput") -> None:
         if bound < 1:
             raise ValueError(f"bound={bound}; max_concurrent_rollouts must be >= 1")
+        if rule not in CAP_RULES:
+            raise ValueError(f"rule={rule!r}; use one of {sorted(CAP_RULES)}")
         self.bound = bound
-        self.adaptive = initial is not None
+        self.rule: CapRule | None = None if initial is None else CAP_RULES[rule]()
         self.cap = bound if initial is None else max(1, min(bound, initial))
         self.in_flight = 0
-        self.completed_since_raise = 0
         self.cut_pending = False
         self.last_load: ServerLoad | None = None
-        self._preemptions_at_flush: int | None = None
+        self._preemptions_at_start: int | None = None
         self._changed: asyncio.Condition | None = None
+
+    @property
+    def adaptive(self) -> bool:
+        return self.rule is not None
 
     def _condition(self) -> asyncio.Condition:
         if self._changed is None:
             self._changed = asyncio.Condition()
         return self._changed
+
+    def _set_cap(self, cap: int) -> None:
+        """Apply a rule's cap within [1, bound]; a cut waits until the pool drained under the last one."""
+        cap = max(1, min(self.bound, cap))
+        if cap < self.cap:
+            if self.cut_pending:
+                return
+            self.cut_pending = self.in_flight >= cap
+        self.cap = cap
 
     async def acquire(self) -> None:
         """Wait for a free slot under the current cap and take it."""
@@ -64,41 +73,23 @@ class ConcurrencyController:
         changed = self._condition()
         async with changed:
             self.in_flight -= 1
-            self.completed_since_raise += 1
-            self._maybe_raise()
+            if self.rule is not None:
+                self._set_cap(self.rule.on_release(self))
             if self.cut_pending and self.in_flight < self.cap:
                 self.cut_pending = False
             changed.notify_all()
 
-    def _calm(self) -> bool:
-        load = self.last_load
-        return load is not None and load.waiting_requests == 0 and load.kv_cache_usage < self.RAISE_BELOW_KV
-
-    def _maybe_raise(self) -> None:
-        if (
-            self.adaptive
-            and self.cap < self.bound
-            and self.completed_since_raise >= self.cap
-            and self._calm()
-        ):
-            self.cap = min(self.bound, max(self.cap + 1, math.ceil(self.cap * self.RAISE_FACTOR)))
-            self.completed_since_raise = 0
-
     async def observe(self, load: ServerLoad | None) -> None:
         """Apply one `/metrics` reading; None (no metrics) changes nothing."""
-        if load is None or not self.adaptive:
+        if load is None:
             return
         changed = self._condition()
         async with changed:
-            self.last_load = load
-            if self._preemptions_at_flush is None:
-                self._preemptions_at_flush = load.preemptions_total
-            if not self._calm():
-                self.completed_since_raise = 0
-            if load.kv_cache_usage > self.CUT_ABOVE_KV and not self.cut_pending:
-                self.cap = max(1, int(self.cap * self.CUT_FACTOR))
-                self.cut_pending = self.in_flight >= self.cap
-            self._maybe_raise()
+            previous, self.last_load = self.last_load, load
+            if self._preemptions_at_start is None:
+                self._preemptions_at_start = load.preemptions_total
+            if self.rule is not None:
+                self._set_cap(self.rule.on_load(self, load, previous))
             changed.notify_all()
 
     async def poll(self, read_load: Callable[[], Awaitable[ServerLoad | None]], interval_s: float) -> None:
@@ -114,22 +105,18 @@ class ConcurrencyController:
             await asyncio.sleep(interval_s)
 
     def metrics(self) -> dict[str, float]:
-        """`rollout/concurrency*` and the server gauges; preemptions count since the previous call."""
+        """`rollout/concurrency*` and the server gauges; preemptions count since the first reading."""
         out = {"rollout/concurrency": float(self.in_flight), "rollout/concurrency_cap": float(self.cap)}
         load = self.last_load
         if load is not None:
-            previous = (
-                self._preemptions_at_flush
-                if self._preemptions_at_flush is not None
-                else load.preemptions_total
-            )
             out.update(
                 {
                     "rollout/kv_cache_usage": load.kv_cache_usage,
                     "rollout/vllm_running_requests": float(load.running_requests),
                     "rollout/vllm_queued_requests": float(load.waiting_requests),
-                    "rollout/vllm_preemptions_total": float(max(0, load.preemptions_total - previous)),
+                    "rollout/vllm_preemptions_total": float(
+                        max(0, load.preemptions_total - self._preemptions_at_start)
+                    ),
                 }
             )
-            self._preemptions_at_flush = load.preemptions_total
         return out

@@ -12,6 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+CLIENT_REQUEST_FIELDS = frozenset(
+    {
+        "model", "prompt", "token_ids", "sampling_params", "max_tokens", "n", "logprobs", "return_token_ids",
+        "return_tokens_as_token_ids", "skip_special_tokens", "detokenize", "temperature", "top_p", "top_k",
+        "min_p", "repetition_penalty", "seed",
+    }
+)  # fmt: skip
+"""Request fields `VLLMClient` sets itself from the config (both routes); `extra_request_fields` may not."""
+CONCURRENCY_CONTROLS = ("goodput", "kv_usage", "fixed")
+
 
 @dataclass(kw_only=True, slots=True)
 class RolloutConfig:
@@ -44,7 +54,10 @@ class RolloutConfig:
     num_sampler_logprobs: int = 8
     """Top sampler log-probs returned per generated token (score centering), 0..server --max-logprobs."""
     max_concurrent_rollouts: int = 64
-    """Upper bound on rollouts in flight; the live cap moves below it (SPEC F-CONC)."""
+    """Upper bound on rollouts in flight; the live cap moves below it (`concurrency_control`)."""
+    concurrency_control: str = "goodput"
+    """How the live cap moves under the bound: `goodput` (keep the server's KV cache nearly full without
+    preempting), `kv_usage` (the reference's rule, SPEC F-CONC) or `fixed` (the cap is the bound)."""
     vllm_server_timeout: float = 1800.0
     """Seconds one HTTP request may take before it is retried, > 0."""
     vllm_max_retries: int = 8
@@ -59,11 +72,18 @@ class RolloutConfig:
     """Seconds between two metric pushes of a running loop to its `metrics_sink`, > 0."""
     tool_threads: int | None = None
     """Threads for sync tools, rewards and environments; None: `max_concurrent_rollouts`."""
+    seed: int | None = None
+    """Sampling seed, >= 0: each request gets its own seed derived from it, the prompt's row and epoch,
+    the rollout's index in its group and the request's index in the rollout, so a run repeats and the
+    rollouts of a group still differ. None: unseeded."""
     extra_request_fields: dict[str, Any] = field(default_factory=dict)
-    """Extra fields merged into every sampling request (e.g. `{"seed": 0}`); overrides nothing above."""
+    """Extra fields merged into every sampling request (e.g. `{"stop": ["</answer>"]}`); none of
+    `CLIENT_REQUEST_FIELDS`, which the fields above set."""
 
     def __post_init__(self) -> None:
         self._check_sampling()
+        self._check_server_url()
+        self._check_extra_request_fields()
         positive = {
             "num_generations": self.num_generations,
             "max_completion_length": self.max_completion_length,
@@ -84,6 +104,34 @@ class RolloutConfig:
         if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
             raise ValueError(
                 f"max_tool_calling_iterations={self.max_tool_calling_iterations}; use None or >= 0"
+            )
+
+    def _check_server_url(self) -> None:
+        url = self.vllm_server_base_url.rstrip("/")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(
+                f"vllm_server_base_url={self.vllm_server_base_url!r}; give the server's root with its scheme, "
+                "e.g. http://localhost:8000"
+            )
+        if url.endswith("/v1"):
+            raise ValueError(
+                f"vllm_server_base_url={self.vllm_server_base_url!r} ends in /v1; pass the server's root "
+                f"({url[:-3]}): the client adds /v1/completions and the other routes itself"
+            )
+
+    def _check_extra_request_fields(self) -> None:
+        taken = sorted(CLIENT_REQUEST_FIELDS & set(self.extra_request_fields))
+        if taken:
+            raise ValueError(
+                f"extra_request_fields sets {taken}, which the client sets itself from the config; set the "
+                "RolloutConfig fields instead (temperature, top_p, top_k, min_p, repetition_penalty, "
+                "num_sampler_logprobs for logprobs, max_completion_length for max_tokens, seed, model_name)"
+            )
+        if self.seed is not None and self.seed < 0:
+            raise ValueError(f"seed={self.seed}; use None or an integer >= 0")
+        if self.concurrency_control not in CONCURRENCY_CONTROLS:
+            raise ValueError(
+                f"concurrency_control={self.concurrency_control!r}; use one of {list(CONCURRENCY_CONTROLS)}"
             )
 
     def _check_sampling(self) -> None:

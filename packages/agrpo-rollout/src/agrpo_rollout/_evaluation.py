@@ -1,9 +1,10 @@
 """Evaluation: run a prompt set through the rollout loop and report reward, pass@1, pass@K, tokens/s.
 
-Owns eval datasets (a local JSONL/JSON/parquet file via `datasets`, or a procedural `reasoning-gym`
-task by name), the built-in reward functions of the CLI, `EvalReport` and `evaluate`. Does not know
-argument parsing (`__main__.py`) or training: it reuses `AsyncRolloutLoop` unchanged, so an eval
-samples exactly like training does (same client, tool loop, concurrency controller).
+Owns the built-in reward functions of the CLI and how `--reward` names are resolved, `EvalReport` and
+`evaluate`, which writes each rollout to the output file as its group finishes (a crash loses nothing
+done). Does not know argument parsing (`__main__.py`), where rows come from (`_eval_dataset.py`) or
+training: it reuses `AsyncRolloutLoop` unchanged, so an eval samples exactly like training does (same
+client, tool loop, concurrency controller).
 
 pass@1 is the mean over prompts of the fraction of rollouts whose reward >= `pass_threshold`;
 pass@K is the fraction of prompts with at least one such rollout among their K. Rollouts no reward
@@ -12,9 +13,12 @@ function scored count as failures.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
+import os
 import re
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -27,7 +31,6 @@ from ._config import RolloutConfig
 from ._loop import AsyncRolloutLoop, GroupOutcome
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-_FILE_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
 def completion_text(completion: Any) -> str:
@@ -85,62 +88,27 @@ BUILTIN_REWARDS: dict[str, Callable[..., list[float | None]]] = {
 
 
 def resolve_reward(spec: str) -> Callable[..., list[float | None]]:
-    """A built-in name (`exact`, `contains`, `gym`) or `package.module:function`."""
+    """A built-in name (`exact`, `contains`, `gym`) or `package.module:function`; modules are also looked
+    up in the current directory (the console script, unlike `python -m`, does not put it on sys.path)."""
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
-    module, _, name = spec.partition(":")
-    if not name:
+    module_name, _, name = spec.partition(":")
+    if not module_name or not name:
         raise ValueError(
             f"--reward {spec!r}: use one of {sorted(BUILTIN_REWARDS)} or `package.module:function`"
         )
-    return getattr(importlib.import_module(module), name)
-
-
-def _as_messages(prompt: Any) -> Any:
-    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-
-
-def load_eval_dataset(
-    spec: str,
-    *,
-    num_prompts: int | None = None,
-    prompt_column: str = "prompt",
-    seed: int = 0,
-    chat: bool = True,
-) -> list[dict[str, Any]]:
-    """Rows with a `prompt` column from a local file, or `num_prompts` (default 100) reasoning-gym items."""
-    path = Path(spec)
-    if path.suffix in _FILE_SUFFIXES:
-        if not path.exists():
-            raise ValueError(f"--dataset {spec}: no such file")
-        import datasets
-
-        table = datasets.load_dataset(_FILE_SUFFIXES[path.suffix], data_files=str(path), split="train")
-        if prompt_column not in table.column_names:
-            raise ValueError(
-                f"{spec} has columns {table.column_names}; pass --prompt-column naming the prompt"
-            )
-        rows = [dict(r) for r in table.select(range(min(num_prompts or len(table), len(table))))]
-        for row in rows:
-            prompt = row.pop(prompt_column)
-            row["prompt"] = _as_messages(prompt) if chat else prompt
-        return rows
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     try:
-        import reasoning_gym
-    except ImportError as exc:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
         raise ValueError(
-            f"--dataset {spec!r} is neither a .jsonl/.json/.parquet file nor usable as a reasoning-gym task: "
-            "install the extra (`pip install 'agrpo-rollout[gym]'`)"
+            f"--reward {spec!r}: no module {exc.name!r} in the current directory ({os.getcwd()}) or on sys.path"
         ) from exc
-    items = reasoning_gym.create_dataset(spec, size=num_prompts or 100, seed=seed)
-    return [
-        {
-            "prompt": _as_messages(item["question"]) if chat else item["question"],
-            "answer": str(item["answer"]),
-            "entry": json.dumps(item, default=str),
-        }
-        for item in items
-    ]
+    func = getattr(module, name, None)
+    if not callable(func):
+        raise ValueError(f"--reward {spec!r}: {module.__file__} has no function {name!r}")
+    return func
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -193,30 +161,31 @@ async def evaluate(
     progress: bool = True,
     loop_cls: type[AsyncRolloutLoop] = AsyncRolloutLoop,
 ) -> EvalReport:
-    """Generate `num_generations` rollouts per prompt once, score them, write JSONL, and report."""
+    """Generate `num_generations` rollouts per prompt once, score them and report; each group's rollouts
+    are written to `output_path` (JSONL, flushed) as soon as the group is scored."""
     from tqdm.auto import tqdm
 
     loop = loop_cls(config, tokenizer=tokenizer, dataset=dataset, reward_funcs=reward_funcs, max_epochs=1)
     records: list[dict[str, Any]] = []
-    bar = tqdm(total=len(dataset), desc="eval", unit="prompt", disable=not progress)
+    with contextlib.ExitStack() as stack:
+        out = None if output_path is None else stack.enter_context(open(output_path, "w"))
+        bar = stack.enter_context(tqdm(total=len(dataset), desc="eval", unit="prompt", disable=not progress))
 
-    def on_group(outcome: GroupOutcome) -> None:
-        if outcome.group is not None:
-            records.extend(_records(outcome))
-        bar.update(1)
+        def on_group(outcome: GroupOutcome) -> None:
+            if outcome.group is not None:
+                done = _records(outcome)
+                records.extend(done)
+                if out is not None:
+                    out.writelines(json.dumps(r, default=str) + "\n" for r in done)
+                    out.flush()
+            bar.update(1)
 
-    async def discard(_sample: Any) -> None:
-        return None
+        async def discard(_sample: Any) -> None:
+            return None
 
-    start = time.monotonic()
-    try:
+        start = time.monotonic()
         await loop.run(discard, on_group=on_group)
-    finally:
-        bar.close()
     wall = time.monotonic() - start
-    if output_path is not None:
-        with open(output_path, "w") as out:
-            out.writelines(json.dumps(r, default=str) + "\n" for r in records)
     return _report(records, config.num_generations, pass_threshold, wall)
 
 

@@ -9,7 +9,8 @@ Owns the exception types and their hierarchy. Does not know when they are raised
      │    ├── RequestRejectedError       the server answered 4xx: the request itself is wrong (not retried)
      │    └── ResponseFormatError        a response did not have the shape this client expects
      ├── ToolSetupError                  (also TypeError) a tool or environment cannot be exposed to the model
-     └── PromptsExhaustedError           `filter_prompt` rejected every prompt of an epoch
+     ├── PromptsExhaustedError           `filter_prompt` rejected every prompt of an epoch
+     └── DatasetError                    (also ValueError) an eval dataset, or one of its rows, cannot be read
 """
 
 from __future__ import annotations
@@ -49,3 +50,7 @@ class ToolSetupError(RolloutError, TypeError):
 
 class PromptsExhaustedError(RolloutError):
     """`filter_prompt` rejected every prompt of an epoch, so no group can ever reach the trainer."""
+
+
+class DatasetError(RolloutError, ValueError):
+    """An eval dataset file, or one of its rows, cannot be read; the message names the file and line."""

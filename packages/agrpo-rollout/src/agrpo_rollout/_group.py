@@ -1,12 +1,18 @@
 """`RolloutGroup` (one prompt's `num_generations` rollouts) and the group advantage rule.
 
-Owns the group record, `group_advantages` (standardise within the group) and `is_trainable`
-(whether a group can teach anything). Pure functions of rewards: no I/O, no logging. Does not know
-where rewards come from (`_reward.py`) or how samples are emitted (`_loop.py`).
+Owns the group record (and `FinishedRollout`, what one rollout adds to it), which rewards count (`usable_rewards`), `group_advantages` (standardise within
+the group) and `is_trainable` (whether a group can teach anything). Pure functions of rewards: no I/O,
+no logging. Does not know where rewards come from (`_reward.py`) or how samples are emitted (`_loop.py`).
+
+A reward counts when it is a number with |r| <= `REWARD_LIMIT` (float32's largest): NaN (no score),
++-inf and values such as 1e308 are excluded alike. Beyond float32's range a sample's reward becomes
+inf and the group's mean and variance can overflow even in float64 (1e308 + 1e308), which would make
+NaN advantages; within it, squares stay below 1e77, so every advantage is finite.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +22,18 @@ from ._rollout import Rollout
 from ._sequence import TrainingSequence
 
 ADVANTAGE_EPS = 1e-8
+REWARD_LIMIT = float(np.finfo(np.float32).max)
+"""Largest |reward| that counts (about 3.4e38); larger ones and +-inf are excluded like NaN."""
+
+
+@dataclass(slots=True)
+class FinishedRollout:
+    """One finished rollout with what scoring needs."""
+
+    prompt: Any
+    rollout: Rollout
+    sequences: list[TrainingSequence]
+    env_reward: tuple[type, float] | None
 
 
 @dataclass(slots=True)
@@ -55,12 +73,31 @@ class RolloutGroup:
     epoch: int = 0
     """Passes over the dataset completed before this prompt was drawn."""
 
+    def collect(self, finished: list[FinishedRollout]) -> None:
+        """Fill the per-rollout lists from the group's finished rollouts, in generation order."""
+        self.prompts = [f.prompt for f in finished]
+        self.rollouts = [f.rollout for f in finished]
+        self.completions = [f.rollout.completion for f in finished]
+        self.completions_ids = [f.rollout.completion_ids for f in finished]
+        self.completions_sequences = [f.sequences for f in finished]
+        self.tool_call_counts = [f.rollout.tool_call_count for f in finished]
+        self.tool_failure_counts = [f.rollout.tool_failure_count for f in finished]
+        self.env_rewards = [f.env_reward for f in finished]
+        self.rollout_rewards = [f.rollout.reward for f in finished]
+        self.queued_at = time.monotonic()
+
+
+def usable_rewards(rewards: np.ndarray) -> np.ndarray:
+    """(G,) bool: which rewards count (a number with |r| <= REWARD_LIMIT; NaN and +-inf do not)."""
+    with np.errstate(invalid="ignore"):
+        return np.abs(np.asarray(rewards, dtype=np.float64)) <= REWARD_LIMIT
+
 
 def group_advantages(rewards: np.ndarray) -> np.ndarray:
-    """(G,) advantages: rewards standardised over the group's scored (non-NaN) rollouts; NaN -> 0."""
+    """(G,) finite advantages: rewards standardised over the group's usable rewards; the others get 0."""
     rewards = np.asarray(rewards, dtype=np.float64)
     advantages = np.zeros(rewards.shape[0], dtype=np.float32)
-    scored = ~np.isnan(rewards)
+    scored = usable_rewards(rewards)
     if scored.sum() >= 2:
         values = rewards[scored]
         advantages[scored] = (values - values.mean()) / (values.std() + ADVANTAGE_EPS)
@@ -68,9 +105,9 @@ def group_advantages(rewards: np.ndarray) -> np.ndarray:
 
 
 def is_trainable(rewards: np.ndarray) -> tuple[bool, str]:
-    """(keep, reason): a group teaches nothing with < 2 scored rollouts or all scored rewards equal."""
+    """(keep, reason): a group teaches nothing with < 2 usable rewards or all usable rewards equal."""
     scored = np.asarray(rewards, dtype=np.float64)
-    scored = scored[~np.isnan(scored)]
+    scored = scored[usable_rewards(scored)]
     if scored.shape[0] < 2:
         return False, "unscorable"
     if np.all(scored == scored[0]):

@@ -4,6 +4,11 @@ Owns what happens to a finished group on the loop's score queue: reward columns 
 functions in the loop's thread pool, environments, `Rollout.reward`), `compute_advantages`, the keep rule
 (`is_trainable`), the samples handed to the sink (which may block: `rollout/backpressure_s`) and the
 group's `GroupOutcome`. Does not generate, dispatch or know the server.
+
+Rewards that are +-inf or beyond float32's range (a source's value, or a sum of sources) are excluded
+like None, counted (`rollout/rewards_nonfinite_total`) and named in a warning once per source; an
+override of `compute_advantages` that returns a non-finite advantage for a kept group is an error, so
+no sample ever carries one.
 """
 
 from __future__ import annotations
@@ -17,9 +22,9 @@ from concurrent.futures import Executor
 
 import numpy as np
 
-from ._group import RolloutGroup, is_trainable
+from ._group import REWARD_LIMIT, RolloutGroup, is_trainable, usable_rewards
 from ._group_outcome import GroupOutcome
-from ._reward import RewardScorer, sum_rewards, with_other_sources
+from ._reward import RewardScorer, exclude_unusable, sum_rewards, with_other_sources
 from ._rollout_metrics import RolloutMetrics
 from ._sample import samples_from_group
 
@@ -41,6 +46,7 @@ class GroupScoring:
         self.executor = executor
         self.compute_advantages = compute_advantages
         self._warned_no_reward = False
+        self._warned_unusable: set[str] = set()
 
     async def run(self, queue: asyncio.Queue, sink: Callable, on_group: Callable | None) -> None:
         while (group := await queue.get()) is not None:
@@ -49,6 +55,11 @@ class GroupScoring:
             await self._reward_columns(group)
             advantages = np.asarray(self.compute_advantages(group), dtype=np.float32)
             kept, reason = is_trainable(group.rewards)
+            if kept and not np.isfinite(advantages).all():
+                raise ValueError(
+                    f"compute_advantages returned {advantages.tolist()} for the group of row {group.row_index} "
+                    f"(rewards {group.rewards.tolist()}); return finite advantages, 0 for rollouts not to train"
+                )
             self.metrics.score_s.append(time.monotonic() - start)
             self.metrics.record_group(group.rewards, kept, reason)
             samples = samples_from_group(group, advantages) if kept else []
@@ -74,9 +85,15 @@ class GroupScoring:
         columns = await self.scorer.score(
             group.prompts, group.completions, group.completions_ids, group.reward_kwargs, self.executor
         )
-        group.rewards_by_func = with_other_sources(columns, group.env_rewards, group.rollout_rewards)
+        columns = with_other_sources(columns, group.env_rewards, group.rollout_rewards)
+        group.rewards_by_func, unusable = exclude_unusable(columns)
         if group.rewards_by_func:
             group.rewards = sum_rewards(list(group.rewards_by_func.values()))
+            overflow = ~usable_rewards(group.rewards) & ~np.isnan(group.rewards)
+            if overflow.any():  # finite sources whose sum leaves float32's range
+                group.rewards[overflow] = np.nan
+                unusable["(sum of sources)"] = int(overflow.sum())
+            self._count_unusable(unusable, group)
             return
         if not self._warned_no_reward:
             logger.warning(
@@ -84,3 +101,17 @@ class GroupScoring:
             )
             self._warned_no_reward = True
         group.rewards = np.full(len(group.prompts), np.nan)
+
+    def _count_unusable(self, unusable: dict[str, int], group: RolloutGroup) -> None:
+        for source, count in unusable.items():
+            self.metrics.rewards_nonfinite_total += count
+            if source not in self._warned_unusable:
+                self._warned_unusable.add(source)
+                logger.warning(
+                    "reward source %r gave %d reward(s) that are +-inf or beyond +-%.3g (row %d); they are excluded like None "
+                    "(rollout/rewards_nonfinite_total counts them). Return finite rewards in float32's range",
+                    source,
+                    count,
+                    REWARD_LIMIT,
+                    group.row_index,
+                )

@@ -13,6 +13,9 @@ Data flow of `run` (every arrow but scoring is in this file):
       compute_advantages, keep/drop ──> sink(RolloutSample) for each sequence of a kept group;
       on_group(GroupOutcome) for every group
 
+Any failure ends the run with the original error; a failed rollout ends it at once, before another
+rollout is sent (`RolloutTasks`, `_rollout_tasks.py`).
+
 Customise by subclassing at module level (the loop is pickled into a spawned process) and override
 only what changes; create clients in `setup`, not `__init__`.
 """
@@ -25,7 +28,6 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -37,15 +39,17 @@ from ._config import RolloutConfig
 from ._conversation import Conversation, render_prompt, with_reset_text
 from ._environment import EnvironmentPool
 from ._exceptions import RequestRejectedError
-from ._group import RolloutGroup, group_advantages
+from ._group import FinishedRollout, RolloutGroup, group_advantages
 from ._group_outcome import GroupOutcome
 from ._group_scoring import GroupScoring
 from ._prompt_source import PromptSource
+from ._request_seed import REQUEST_SEEDS, RequestSeeds
 from ._reward import RewardScorer
 from ._rollout import Rollout
 from ._rollout_metrics import RolloutMetrics
+from ._rollout_tasks import RolloutTasks
 from ._sample import RolloutSample
-from ._sequence import TrainingSequence, build_sequences
+from ._sequence import build_sequences
 from ._toolbox import Toolbox
 from ._turn import TurnRecord
 
@@ -53,16 +57,6 @@ logger = logging.getLogger("agrpo_rollout")
 
 _RETIRED_WAIT_S = 30.0
 """How long a 404 for a group's adapter waits for a newer policy version before it counts as an error."""
-
-
-@dataclass(slots=True)
-class _Finished:
-    """One rollout with what scoring needs."""
-
-    prompt: Any
-    rollout: Rollout
-    sequences: list[TrainingSequence]
-    env_reward: tuple[type, float] | None
 
 
 class AsyncRolloutLoop:
@@ -191,12 +185,12 @@ class AsyncRolloutLoop:
         self.client = await VLLMClient(self.config).open()
         await self.client.wait_until_ready()
         server = await self.client.probe()
-        initial = (
-            server.initial_concurrency(self.config.max_concurrent_rollouts)
-            if server.kv_cache_tokens
-            else None
+        bound, control = self.config.max_concurrent_rollouts, self.config.concurrency_control
+        adaptive = server.kv_cache_tokens and control != "fixed"
+        initial = server.initial_concurrency(bound) if adaptive else None
+        self.controller = ConcurrencyController(
+            bound, initial, rule="goodput" if control == "fixed" else control
         )
-        self.controller = ConcurrencyController(self.config.max_concurrent_rollouts, initial)
         self._executor = ThreadPoolExecutor(self.config.tool_threads or self.config.max_concurrent_rollouts)
         self._toolbox = Toolbox(self.tools)
         self._environments = (
@@ -212,7 +206,7 @@ class AsyncRolloutLoop:
         await self.client.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    async def _run_rollout(self, row: Mapping[str, Any], group_id: int) -> _Finished:
+    async def _run_rollout(self, row: Mapping[str, Any], group_id: int) -> FinishedRollout:
         start = time.monotonic()
         try:
             prompt, tools, env = row.get("prompt", []), self._toolbox, None
@@ -228,11 +222,15 @@ class AsyncRolloutLoop:
                     self.metrics.env_reward_s.append(seconds)
                     env_reward = (type(env[1]), value)
                 self._environments.release(env[0], env[1])
+        except Exception as error:  # recorded before the slot is given back: no new rollout follows it
+            if not self._maybe_retired(error):
+                self._tasks.fail(error)
+            raise
         finally:
             await self.controller.release()
         sequences, stats = build_sequences(rollout.turns, rollout.rollout_id)
         self.metrics.record_rollout(rollout, time.monotonic() - start, stats, len(sequences))
-        return _Finished(prompt, rollout, sequences, env_reward)
+        return FinishedRollout(prompt, rollout, sequences, env_reward)
 
     async def _collect_group(
         self,
@@ -254,19 +252,18 @@ class AsyncRolloutLoop:
             if on_group is not None:
                 on_group(GroupOutcome(group.row_index, group.epoch, group.group_id, False, "stale", 0, group))
             return
-        group.prompts = [f.prompt for f in finished]
-        group.rollouts = [f.rollout for f in finished]
-        group.completions = [f.rollout.completion for f in finished]
-        group.completions_ids = [f.rollout.completion_ids for f in finished]
-        group.completions_sequences = [f.sequences for f in finished]
-        group.tool_call_counts = [f.rollout.tool_call_count for f in finished]
-        group.tool_failure_counts = [f.rollout.tool_failure_count for f in finished]
-        group.env_rewards = [f.env_reward for f in finished]
-        group.rollout_rewards = [f.rollout.reward for f in finished]
-        group.queued_at = time.monotonic()
+        group.collect(finished)
         blocked = time.monotonic()
         await queue.put(group)
         self.metrics.score_block_s += time.monotonic() - blocked
+
+    def _maybe_retired(self, error: BaseException) -> bool:
+        """A 404 for a `{version}` adapter: maybe retired (`_adapter_retired` decides), not yet fatal."""
+        return (
+            isinstance(error, RequestRejectedError)
+            and error.status_code == 404
+            and "{version}" in (self.config.model_name or "")
+        )
 
     async def _adapter_retired(
         self, error: RequestRejectedError, group: RolloutGroup, policy_version: Callable[[], int]
@@ -274,7 +271,7 @@ class AsyncRolloutLoop:
         """A 404 for the group's `{version}` adapter once a newer version is published: the trainer unloaded
         it (it left the LoRA window, so its samples would be dropped as stale anyway). The trainer publishes
         the new version just after the server loads it, so wait for that a little."""
-        if error.status_code != 404 or "{version}" not in (self.config.model_name or ""):
+        if not self._maybe_retired(error):
             return False
         deadline = time.monotonic() + _RETIRED_WAIT_S
         while policy_version() <= group.model_version:
@@ -304,33 +301,24 @@ class AsyncRolloutLoop:
                 [], columns, [], [], [], [], [], 0, group_id, draw.row_index, [], [], epoch=draw.epoch
             )
             tasks = []
-            for _ in range(self.config.num_generations):
+            for generation in range(self.config.num_generations):
                 await self.controller.acquire()
+                self._tasks.raise_failure()  # a rollout failed: send nothing more to the server
                 if not tasks:
                     group.model_version = int(policy_version())
                     POLICY_VERSION.set(group.model_version)  # copied into the group's tasks: their requests
-                tasks.append(self._spawn(self._run_rollout(draw.row, group_id)))
+                if self.config.seed is not None:
+                    REQUEST_SEEDS.set(RequestSeeds(self.config.seed, draw.epoch, draw.row_index, generation))
+                tasks.append(self._tasks.spawn(self._run_rollout(draw.row, group_id)))
             self._collectors.add(
-                self._spawn(self._collect_group(tasks, group, queue, policy_version, on_group))
+                self._tasks.spawn(
+                    self._collect_group(tasks, group, queue, policy_version, on_group), fatal=True
+                )
             )
-            for collector in [c for c in self._collectors if c.done()]:
-                self._collectors.discard(collector)
-                collector.result()
+            self._collectors = {c for c in self._collectors if not c.done()}
             group_id += 1
         await asyncio.gather(*self._collectors)
         await queue.put(None)
-
-    def _spawn(self, coroutine: Awaitable) -> asyncio.Task:
-        """A task cancelled with the loop if the loop stops or fails."""
-        task = asyncio.ensure_future(coroutine)
-        self._tasks.add(task)
-        task.add_done_callback(self._forget)
-        return task
-
-    def _forget(self, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled():
-            task.exception()  # retrieved here; whoever awaits the task still gets it raised
 
     def _metric_snapshot(self, queue: asyncio.Queue) -> dict[str, float]:
         out = self.metrics.flush()
@@ -366,26 +354,28 @@ class AsyncRolloutLoop:
         self._on_draw = on_draw
         await self._prepare()
         queue: asyncio.Queue = asyncio.Queue(self.config.score_queue_maxsize)
-        self._tasks, self._collectors = set(), set()
+        self._tasks, self._collectors = RolloutTasks(), set()
+        spawn = self._tasks.spawn
         try:
             await self.setup()
             watched = {
-                self._spawn(self.controller.poll(self.client.load, self.config.metrics_poll_interval_s))
+                self._tasks.failed,
+                spawn(self.controller.poll(self.client.load, self.config.metrics_poll_interval_s)),
             }
             if metrics_sink is not None:
-                watched.add(self._spawn(self._push_metrics(queue, metrics_sink)))
-            scorer = self._spawn(self._scoring.run(queue, sink, on_group))
-            watched |= {scorer, self._spawn(self._dispatch(queue, policy_version, on_group, max_groups))}
-            while not scorer.done():  # any failure (dispatch, scoring, a sink, the poller) ends the run
+                watched.add(spawn(self._push_metrics(queue, metrics_sink)))
+            scorer = spawn(self._scoring.run(queue, sink, on_group))
+            watched |= {scorer, spawn(self._dispatch(queue, policy_version, on_group, max_groups))}
+            while (
+                not scorer.done()
+            ):  # any failure (a rollout, dispatch, scoring, a sink, the poller) ends the run
                 done, watched = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     task.result()
             if metrics_sink is not None:
                 metrics_sink(self._metric_snapshot(queue))
         finally:
-            for task in list(self._tasks):
-                task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self._tasks.cancel_all()
             try:
                 await self.close()
             finally:

@@ -1,10 +1,11 @@
 """`RewardScorer`: runs reward functions over a group and sums reward sources.
 
 Owns the reward-function contract: `func(prompts=..., completions=..., completion_ids=..., **columns)`
-returns one float or None per rollout; sync functions run in the tool thread pool, async ones on the
-loop, all functions of a group concurrently. `None` (and NaN) exclude that source for that rollout;
-a rollout no source scored gets NaN. Does not know advantages or environments (their rewards arrive
-as extra columns).
+returns a list with one float or None per rollout; sync functions run in the tool thread pool, async
+ones on the loop, all functions of a group concurrently. `None` (and NaN) exclude that source for that
+rollout; so do +-inf and values beyond float32's range (`exclude_unusable`, counted by the caller as
+`rollout/rewards_nonfinite_total`, see `_group.usable_rewards`); a rollout no source scored gets NaN.
+Does not know advantages or environments (their rewards arrive as extra columns).
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
 import numpy as np
+
+from ._group import usable_rewards
 
 
 def reward_name(func: Callable) -> str:
@@ -35,6 +38,17 @@ def sum_rewards(columns: Sequence[np.ndarray]) -> np.ndarray:
     stacked = np.stack([np.asarray(c, dtype=np.float64) for c in columns])
     scored = ~np.isnan(stacked)
     return np.where(scored.any(axis=0), np.where(scored, stacked, 0.0).sum(axis=0), np.nan)
+
+
+def exclude_unusable(columns: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """Columns with +-inf and out-of-range values set to NaN, and how many each source had."""
+    out, counts = {}, {}
+    for name, values in columns.items():
+        bad = ~usable_rewards(values) & ~np.isnan(values)
+        out[name] = np.where(bad, np.nan, values)
+        if bad.any():
+            counts[name] = int(bad.sum())
+    return out, counts
 
 
 def with_other_sources(
@@ -86,12 +100,32 @@ class RewardScorer:
             **reward_kwargs,
         }
         results = await asyncio.gather(*(self._run_one(f, kwargs, executor) for f in self.funcs))
-        out = {}
-        for name, values in zip(self.names, results, strict=True):
-            values = list(values)
-            if len(values) != len(prompts):
-                raise ValueError(
-                    f"reward function {name} returned {len(values)} values for {len(prompts)} completions"
-                )
-            out[name] = np.asarray([np.nan if v is None else float(v) for v in values], dtype=np.float64)
-        return out
+        return {
+            name: _reward_column(name, values, len(prompts))
+            for name, values in zip(self.names, results, strict=True)
+        }
+
+
+def _reward_column(name: str, values: Any, num_completions: int) -> np.ndarray:
+    """One function's (G,) float64 rewards, NaN for None; the errors name the function."""
+    if isinstance(values, (str, bytes, dict)) or not isinstance(values, Iterable):
+        raise TypeError(
+            f"reward function {name} returned {values!r} ({type(values).__name__}); it must return a list "
+            f"with one float (or None) per completion, here {num_completions}"
+        )
+    values = list(values)
+    if len(values) != num_completions:
+        raise ValueError(
+            f"reward function {name} returned {len(values)} values for {num_completions} completions"
+        )
+    column = np.full(num_completions, np.nan)
+    for i, value in enumerate(values):
+        if value is None:
+            continue
+        try:
+            column[i] = float(value)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(
+                f"reward function {name} returned {value!r} for completion {i}; expected a float or None"
+            ) from exc
+    return column

@@ -32,6 +32,10 @@ class RolloutMetrics:
         self.unknown_tool_total = 0
         self.parse_failure_total = 0
         self.prompt_too_long_total = 0
+        self.groups_stale = 0
+        """Groups abandoned because the server unloaded their policy version's adapter (running total)."""
+        self.rewards_nonfinite_total = 0
+        """Reward values excluded for being +-inf or beyond float32's range (running total)."""
         self._window_start = time.monotonic()
         self._reset_window()
 
@@ -60,8 +64,6 @@ class RolloutMetrics:
         self.kept_group_rewards: list[float] = []
         self.groups_zero_std = 0
         self.groups_dropped = 0
-        self.groups_stale = 0
-        """Groups abandoned because the server unloaded their policy version's adapter (running total)."""
 
     def record_rollout(
         self, rollout: Rollout, duration_s: float, stats: ReconcileStats, num_samples: int
@@ -104,6 +106,7 @@ class RolloutMetrics:
             "rollout/duration_s": _mean(self.durations),
             "rollout/prompt_too_long_total": float(self.prompt_too_long_total),
             "rollout/groups_stale_total": float(self.groups_stale),
+            "rollout/rewards_nonfinite_total": float(self.rewards_nonfinite_total),
             "rollout/turns_mean": _mean(self.turns),
             "rollout/turns_max": float(max(self.turns, default=0)),
             "rollout/samples_per_rollout": _mean(self.samples_per_rollout),

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._config import RolloutConfig
-from ._exceptions import ServerConfigError
+from ._exceptions import ResponseFormatError, ServerConfigError
 from ._server_load import ServerLoad
 
 logger = logging.getLogger("agrpo_rollout")
@@ -117,6 +117,18 @@ class ServerInfo:
         return warnings
 
 
+def json_body(response: Any) -> Any:
+    """A 2xx response's JSON; a body that is not JSON (a proxy's HTML page, a wrong URL) raises
+    `ResponseFormatError` naming the URL."""
+    try:
+        return response.json()
+    except ValueError as exc:  # json.JSONDecodeError, UnicodeDecodeError
+        raise ResponseFormatError(
+            f"{response.request.method} {response.request.url} answered {response.status_code} with a body that "
+            f"is not JSON (first bytes: {response.content[:120]!r}); check that the URL is a vLLM server's root"
+        ) from exc
+
+
 def _lora(config: dict[str, Any]) -> tuple[int | None, int | None]:
     lora = config.get("lora_config") or {}
     return lora.get("max_loras"), lora.get("max_lora_rank")
@@ -124,7 +136,7 @@ def _lora(config: dict[str, Any]) -> tuple[int | None, int | None]:
 
 async def probe_server(client: Any, config: RolloutConfig) -> ServerInfo:
     """Read the facts of `ServerInfo` through `client.request(method, path, ...)`, then `check` them."""
-    models = (await client.request("GET", "/v1/models")).json()["data"]
+    models = json_body(await client.request("GET", "/v1/models"))["data"]
     names = tuple(m["id"] for m in models)
     model_name = config.model_name if config.model_name and "{version}" not in config.model_name else names[0]
     by_name = {m["id"]: m for m in models}
@@ -133,7 +145,7 @@ async def probe_server(client: Any, config: RolloutConfig) -> ServerInfo:
     metrics = await client.request("GET", "/metrics", allow_status=(404,))
     load = ServerLoad.from_text(metrics.text) if metrics.status_code == 200 else None
     info = await client.request("GET", "/server_info", params={"config_format": "json"}, allow_status=(404,))
-    vllm_config = info.json().get("vllm_config", {}) if info.status_code == 200 else {}
+    vllm_config = json_body(info).get("vllm_config", {}) if info.status_code == 200 else {}
     model_config = vllm_config.get("model_config", {}) if isinstance(vllm_config, dict) else {}
     probe = await client.request("POST", GENERATE_PATH, json={}, allow_status=(400, 403, 404, 405, 422))
     max_loras, max_rank = _lora(vllm_config) if isinstance(vllm_config, dict) else (None, None)

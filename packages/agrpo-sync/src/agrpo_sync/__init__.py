@@ -10,6 +10,7 @@ from ._backend import Recovery, SyncBackend
 from ._config import WeightSyncConfig
 from ._disk_backend import DiskBackend
 from ._exceptions import (
+    ManifestMismatchError,
     ServerRequestError,
     SyncSetupError,
     TransferFailedError,
@@ -37,6 +38,7 @@ __all__ = [
     "ChunkTransport",
     "DiskBackend",
     "LoraAdapterBackend",
+    "ManifestMismatchError",
     "NcclBackend",
     "NcclTransport",
     "ParamStream",

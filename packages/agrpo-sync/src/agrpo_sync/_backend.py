@@ -32,6 +32,9 @@ class Recovery:
     """Sending every weight once more, within the same sync, can make the server consistent (it still answers)."""
     fix: str = ""
     """When not consistent: how to get the server back to one version (e.g. sync again, restart it)."""
+    resume_as_is: bool = False
+    """When not consistent: a bare `POST /resume` serves the weights as they are (mixed but whole tensors).
+    False where resuming may crash the engine (e.g. a wrong-shape tensor left by a failed disk reload)."""
 
 
 class SyncBackend(Protocol):
@@ -51,8 +54,16 @@ class SyncBackend(Protocol):
         """Build it (assignments only; nothing talks to the server yet)."""
         ...
 
+    stages: ClassVar[bool]
+    """Whether `stage` consumes the stream before generation pauses (then `send` uses what it wrote)."""
+
     def setup(self, model: torch.nn.Module, stream: ParamStream, info: ServerInfo) -> None:
         """Once, before the first sync: start-up checks and any rendezvous with the server."""
+        ...
+
+    def stage(self, stream: ParamStream, version: int) -> None:
+        """Before generation pauses, when `stages`: prepare `version` without touching the server (the disk
+        backend writes its checkpoint). A failure must leave nothing behind; nothing reached the server."""
         ...
 
     def send(self, stream: ParamStream, version: int) -> None:

@@ -3,8 +3,12 @@
 Owns host copies of gathered tensors (safetensors refuses tensors that share storage), sharded or
 single-file layouts (sharded: one file per gather bucket plus `model.safetensors.index.json`), and the
 publish step: everything is written under `<dir>.partial` and renamed into place only when complete,
-so the server never reads a half-written version. Does not know what the files are for (full weights
-or a LoRA adapter) or the server.
+so the server never reads a half-written version. A write that fails (disk full, file too large,
+read-only; safetensors raises its own `SafetensorError`, not `OSError`) removes its `.partial`
+directory and raises `CheckpointWriteError` naming the directory and the cause. Also owns
+`fresh_directory`: a name beside a directory still in use, so a version written twice never overwrites
+the files a server may still read. Does not know what the files are for (full weights or a LoRA
+adapter) or the server.
 """
 
 from __future__ import annotations
@@ -15,9 +19,18 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 INDEX_FILE = "model.safetensors.index.json"
+
+WRITE_ERRORS = (OSError, SafetensorError)
+"""What a failed write raises: I/O errors, and safetensors' own error type (e.g. "No space left on device")."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint directory could not be written; nothing was published and no `.partial` is left."""
+
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -57,17 +70,31 @@ def write_checkpoint(
     """Write `buckets` into `directory` (replacing it): shards plus index, or all in `single_file`.
 
     `extra_files(partial_dir)` adds files such as `adapter_config.json` before the directory is published.
+    Raises `CheckpointWriteError` when writing fails; the partial directory is removed first.
     """
     partial = directory.with_name(directory.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    if single_file:
-        tensors = {name: t for bucket in buckets for name, t in host_copy(bucket).items()}
-        save_file(tensors, str(partial / single_file), metadata={"format": "pt"})
-    else:
-        _write_shards(buckets, partial)
-    if extra_files is not None:
-        extra_files(partial)
+    try:
+        partial.mkdir(parents=True)
+        if single_file:
+            tensors = {name: t for bucket in buckets for name, t in host_copy(bucket).items()}
+            save_file(tensors, str(partial / single_file), metadata={"format": "pt"})
+        else:
+            _write_shards(buckets, partial)
+        if extra_files is not None:
+            extra_files(partial)
+    except WRITE_ERRORS as error:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise CheckpointWriteError(f"writing {directory} failed: {type(error).__name__}: {error}") from error
     shutil.rmtree(directory, ignore_errors=True)
     partial.rename(directory)
     return directory
+
+
+def fresh_directory(directory: Path, in_use: set[Path]) -> Path:
+    """`directory`, or `<directory>.1`, `.2`, ... : the first of these that is not `in_use`."""
+    candidate, index = directory, 0
+    while candidate in in_use:
+        index += 1
+        candidate = directory.with_name(f"{directory.name}.{index}")
+    return candidate

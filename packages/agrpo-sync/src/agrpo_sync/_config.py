@@ -7,6 +7,7 @@ server supports is checked at start-up by `WeightSync.start`.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,8 @@ FULL_BACKENDS = ("nccl", "disk")
 LORA_SYNC_MODES = ("auto", "merged", "adapter")
 PAUSE_MODES = ("keep", "wait", "abort")
 TRANSFER_DTYPES = ("", "bfloat16", "float16", "float32")
+LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+"""Adapter names become directory names: no separator, no leading dot (so neither `..` nor a hidden dir)."""
 
 # Top-level module names of vision/audio towers in transformers' vision-language models. A module under
 # one of these names whose parameters are all frozen is not sent: the server keeps its own copy.
@@ -48,14 +51,17 @@ class WeightSyncConfig:
     """PEFT models: `merged` pushes merged full weights, `adapter` pushes only the adapter (server needs
     `--enable-lora`), `auto` picks `adapter` when the server can serve it and `merged` otherwise."""
     lora_name: str = "agrpo-policy"
-    """Adapter name prefix on the server; version v is served as `<lora_name>-v<v>`."""
+    """Adapter name prefix on the server; version v is served as `<lora_name>-v<v>` from the directory
+    `<output_dir>/.vllm_lora/<lora_name>-v<v>/`: letters, digits, `-`, `_`, `.`, not starting with `.`."""
     max_staleness: int = 4
     """Adapter versions kept registered besides the newest (>= 0); the server needs `--max-loras >= this + 2`."""
     pause_mode: str = "keep"
     """`/pause` mode during a full-weight sync: `keep` freezes in-flight requests, `wait` drains, `abort` aborts."""
-    pause_clear_cache: bool = False
-    """`/pause` clear_cache: False keeps frozen requests' KV (they resume on it); True re-prefills them
-    under the new weights and clears the prefix cache, at the cost of recomputation."""
+    pause_clear_cache: bool = True
+    """`/pause` clear_cache: True re-prefills frozen requests under the new weights and clears the prefix
+    cache, so new requests' log-probs are the served weights' (max error 5e-7 nats on a CPU server, vs
+    0.24-0.71 with False on a request reusing a cached 300-token prefix); False keeps cached and frozen KV
+    computed under the old weights, saving that recomputation."""
     transfer_dtype: str = ""
     """Cast weights to this dtype before sending (`bfloat16`, `float16`, `float32`); empty keeps each
     parameter's dtype."""
@@ -92,6 +98,11 @@ class WeightSyncConfig:
             )
         if not self.output_dir:
             raise SyncSetupError("output_dir is empty; set it to the run's output directory")
+        if not LORA_NAME.fullmatch(self.lora_name) or ".." in self.lora_name:
+            raise SyncSetupError(
+                f"lora_name={self.lora_name!r}; it names directories under <output_dir>/.vllm_lora/, so use "
+                "letters, digits, '-', '_' and '.', starting with a letter or digit (no '/' or '..')"
+            )
         if self.max_staleness < 0:
             raise SyncSetupError(f"max_staleness={self.max_staleness}; use 0 or more")
         for name in ("gather_bucket_bytes", "packed_buffer_size_bytes", "packed_num_buffers"):

@@ -11,6 +11,7 @@ and name the fix; errors about something that went wrong while talking to the se
         ├── ServerRequestError   an HTTP call to the server failed (endpoint, status, body)
         ├── TransportError       the NCCL (or test) transport failed: library, rendezvous, collective
         └── TransferFailedError  a transfer failed; says what the server serves and whether it was left paused
+            └── ManifestMismatchError  refused before pausing: missing, extra or misshapen tensors
 """
 
 from __future__ import annotations
@@ -47,3 +48,12 @@ class TransferFailedError(WeightSyncError):
         self.server_state = server_state
         self.left_paused = left_paused
         super().__init__(f"{message}; {server_state}")
+
+
+class ManifestMismatchError(TransferFailedError):
+    """The tensors a sync would send differ from what the server holds (names, shapes or dtypes). Raised
+    before generation pauses: nothing reached the server. `problems` lists them, tensors named."""
+
+    def __init__(self, message: str, *, problems: list[str], server_state: str) -> None:
+        self.problems = problems
+        super().__init__(message, server_state=server_state)

@@ -5,7 +5,12 @@ Owns the adapter versions: version v is written (PEFT layout: `adapter_model.saf
 with `/v1/load_lora_adapter`. The next version is loaded before the oldest is unloaded, so in-flight
 requests always find their adapter: `max_staleness + 1` versions stay registered, one more for a
 moment, hence `--max-loras >= max_staleness + 2`. Versions leaving the window are unloaded and their
-directories deleted. Also owns the start-up checks that print the exact server flags to restart with.
+directories deleted (only ever inside `<output_dir>/.vllm_lora/`). A registered adapter's directory is
+never rewritten: re-pushing a version that is still registered (the same version twice, or a restarted
+trainer) writes `<lora_name>-v<v>.1/` (`.2`, ...) and loads it in place (`load_inplace`), then deletes
+the old directory. At start-up the versions of `lora_name` already registered (a previous trainer's)
+are taken over: they join the window and leave it as new versions arrive. Also owns the start-up
+checks that print the exact server flags to restart with.
 Does not know how the adapter tensors are gathered (`_lora_weights.py`, `_param_stream.py`).
 
 No pause: loading a new adapter does not touch requests running under older ones. The directory must
@@ -16,6 +21,7 @@ merged weights; the sync itself moves about 1% of the bytes of a full sync.
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 from pathlib import Path
 from typing import ClassVar
@@ -23,7 +29,7 @@ from typing import ClassVar
 import torch
 
 from ._backend import Recovery
-from ._checkpoint_dir import write_checkpoint
+from ._checkpoint_dir import fresh_directory, write_checkpoint
 from ._config import WeightSyncConfig
 from ._exceptions import ServerRequestError, SyncSetupError, WeightSyncError
 from ._param_stream import ParamStream
@@ -119,6 +125,7 @@ class LoraAdapterBackend:
     name: ClassVar[str] = "lora"
     pauses: ClassVar[bool] = False
     view: ClassVar[str] = "adapter"
+    stages: ClassVar[bool] = False
 
     def __init__(self, *, control: ServerControl, lora_dir: Path, lora_name: str, max_staleness: int) -> None:
         self.control = control
@@ -127,6 +134,8 @@ class LoraAdapterBackend:
         self.max_staleness = max_staleness
         self.live: list[int] = []
         """Versions registered on the server, oldest first."""
+        self.dirs: dict[int, Path] = {}
+        """The directory each registered version was loaded from (never rewritten while registered)."""
         self._peft_config = None
         self._pending: Path | None = None
 
@@ -143,29 +152,56 @@ class LoraAdapterBackend:
         self._peft_config = lora_config_of(model)
         check_adapter_server(info, self._peft_config, self.max_staleness)
         self.lora_dir.mkdir(parents=True, exist_ok=True)
-        stale = [m["id"] for m in self.control.models() if str(m["id"]).startswith(f"{self.lora_name}-v")]
-        if stale:
+        self._take_over()
+
+    def _take_over(self) -> None:
+        """Adopt the versions of `lora_name` already registered (a restarted trainer's predecessor): they
+        join the window, age out of it like this trainer's own, and a re-push of one loads in place."""
+        pattern = re.compile(re.escape(self.lora_name) + r"-v(\d+)")
+        for model in self.control.models():
+            found = pattern.fullmatch(str(model["id"]))
+            if model.get("parent") and found:
+                self.dirs[int(found.group(1))] = Path(str(model.get("root") or ""))
+        self.live = sorted(self.dirs)
+        if self.live:
             logger.warning(
-                "adapters %s are already registered on the server; versions reusing a name replace them",
-                stale,
+                "adapters %s were already registered on the server (an earlier trainer's); taking them over: "
+                "they leave the window as new versions arrive, and re-pushed versions are loaded in place",
+                [adapter_name(self.lora_name, v) for v in self.live],
             )
+
+    def stage(self, stream: ParamStream, version: int) -> None:
+        """Nothing to write ahead: adapter loads need no pause."""
 
     def path(self, version: int) -> Path:
         return self.lora_dir / adapter_name(self.lora_name, version)
 
     def send(self, stream: ParamStream, version: int) -> None:
-        self._pending = self.path(version)
+        """Write `version` to a directory no registered adapter uses, and load it (in place when that
+        version is still registered, e.g. pushed twice or by a restarted trainer)."""
+        inplace = version in self.dirs
+        self._pending = fresh_directory(self.path(version), set(self.dirs.values()))
         write_checkpoint(
             stream.buckets(),
             self._pending,
             single_file="adapter_model.safetensors",
             extra_files=self._write_config,
         )
-        self.control.load_lora_adapter(adapter_name(self.lora_name, version), str(self._pending))
-        self._pending = None
-        self.live.append(version)
-        while len(self.live) > self.max_staleness + 1 and self._retire(self.live[0]):
-            self.live.pop(0)
+        self.control.load_lora_adapter(
+            adapter_name(self.lora_name, version), str(self._pending), inplace=inplace
+        )
+        previous, self.dirs[version], self._pending = self.dirs.get(version), self._pending, None
+        if previous is not None:
+            self._remove(previous)
+        self.live = sorted(self.dirs)
+        for old in [v for v in self.live if v > version] + self.live:  # an earlier run's newer versions first
+            if len(self.live) <= self.max_staleness + 1:
+                break
+            if old == version or old not in self.live:
+                continue
+            if not self._retire(old):
+                break
+            self.live.remove(old)
 
     def _write_config(self, directory: Path) -> None:
         self._peft_config.save_pretrained(str(directory))
@@ -181,14 +217,21 @@ class LoraAdapterBackend:
                 error,
             )
             return False
-        shutil.rmtree(self.path(version), ignore_errors=True)
+        self._remove(self.dirs.pop(version, self.path(version)))
         return True
+
+    def _remove(self, directory: Path) -> None:
+        """Delete an adapter directory, only ever one inside `lora_dir`."""
+        if directory.resolve().parent != self.lora_dir.resolve():
+            logger.warning("not deleting %s: it is outside %s", directory, self.lora_dir)
+            return
+        shutil.rmtree(directory, ignore_errors=True)
 
     def recover(self) -> Recovery:
         """A failed load leaves the registered versions as they were, each one whole: always consistent."""
         pending, self._pending = self._pending, None
-        if pending is not None:
-            shutil.rmtree(pending, ignore_errors=True)
+        if pending is not None and pending not in self.dirs.values():
+            self._remove(pending)
         if not self.live:
             return Recovery(state="no adapter version is registered; the server serves the base model")
         names = [adapter_name(self.lora_name, v) for v in self.live]

@@ -66,6 +66,7 @@ class NcclBackend:
     name: ClassVar[str] = "nccl"
     pauses: ClassVar[bool] = True
     view: ClassVar[str] = "full"
+    stages: ClassVar[bool] = False
 
     def __init__(
         self, *, control: ServerControl, transport: ChunkTransport, config: WeightSyncConfig
@@ -94,6 +95,9 @@ class NcclBackend:
                 num_slots=config.packed_num_buffers,
             )
         return cls(control=control, transport=transport, config=config)
+
+    def stage(self, stream: ParamStream, version: int) -> None:
+        """Nothing to write ahead: the chunks are gathered and broadcast during the pause."""
 
     def setup(self, model: torch.nn.Module, stream: ParamStream, info: ServerInfo) -> None:
         self.connect()
@@ -202,6 +206,7 @@ class NcclBackend:
                 consistent=False,
                 resend=True,
                 fix=RESEND_FIX,
+                resume_as_is=True,
             )
         self.transport.abort()
         self.connected = False
@@ -220,6 +225,7 @@ class NcclBackend:
             consistent=False,
             resend=True,
             fix=RESEND_FIX,
+            resume_as_is=True,
         )
 
     def served_model(self, version: int) -> str | None:

@@ -76,6 +76,8 @@ class ServerControl:
 
     def __init__(self, base_url: str, *, timeout_s: float = 60.0, transfer_timeout_s: float = 1800.0) -> None:
         self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.transfer_timeout_s = transfer_timeout_s
         self._client = httpx.Client(base_url=self.base_url, timeout=timeout_s)
         self._blocking = httpx.Client(base_url=self.base_url, timeout=transfer_timeout_s)
 
@@ -83,15 +85,38 @@ class ServerControl:
         self._client.close()
         self._blocking.close()
 
+    def renew_connections(self) -> None:
+        """Drop every pooled connection: the next calls open fresh ones (vLLM closes the connection of a
+        `collective_rpc` it answered 500, and a call reusing it fails with a connection reset)."""
+        old = (self._client, self._blocking)
+        self._client = httpx.Client(base_url=self.base_url, timeout=self.timeout_s)
+        self._blocking = httpx.Client(base_url=self.base_url, timeout=self.transfer_timeout_s)
+        for client in old:
+            client.close()
+
     def _call(self, method: str, path: str, *, blocking: bool = False, **kwargs: Any) -> httpx.Response:
         client = self._blocking if blocking else self._client
         try:
             response = client.request(method, path, **kwargs)
         except httpx.HTTPError as error:
+            self._renew(blocking)
             raise ServerRequestError(f"{method} {path}", None, f"{type(error).__name__}: {error}") from error
+        if response.status_code >= 500:
+            self._renew(blocking)  # the server may close this connection after an internal error
         if response.status_code >= 400:
             raise ServerRequestError(f"{method} {path}", response.status_code, response.text[:2000])
         return response
+
+    def _renew(self, blocking: bool) -> None:
+        """Replace the client a failed call used, so no later call reuses its (possibly closed) connection."""
+        if blocking:
+            old, self._blocking = (
+                self._blocking,
+                httpx.Client(base_url=self.base_url, timeout=self.transfer_timeout_s),
+            )
+        else:
+            old, self._client = self._client, httpx.Client(base_url=self.base_url, timeout=self.timeout_s)
+        old.close()
 
     def _json(self, method: str, path: str, **kwargs: Any) -> Any:
         response = self._call(method, path, **kwargs)
@@ -127,8 +152,13 @@ class ServerControl:
         body = {"weight_version": weight_version} if weight_version is not None else None
         self._call("POST", "/finish_weight_update", json=body)
 
+    def weight_info(self) -> dict:
+        """`/weight_info` as the server answers it (vLLM 0.32/0.33: only `weight_version`)."""
+        answer = self._json("GET", "/weight_info")
+        return answer if isinstance(answer, dict) else {}
+
     def weight_version(self) -> str:
-        return str(self._json("GET", "/weight_info")["weight_version"])
+        return str(self.weight_info()["weight_version"])
 
     def set_weight_version(self, version: str) -> None:
         self._call("POST", "/update_weight_version", json={"new_version": version})
@@ -143,8 +173,10 @@ class ServerControl:
         return bool(answer.get("success", False)) if isinstance(answer, dict) else True
 
     # -- runtime LoRA
-    def load_lora_adapter(self, name: str, path: str) -> None:
-        self._call("POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+    def load_lora_adapter(self, name: str, path: str, *, inplace: bool = False) -> None:
+        """Register adapter `name` from `path`; `inplace` replaces a registered adapter of that name."""
+        body = {"lora_name": name, "lora_path": path, "load_inplace": inplace}
+        self._call("POST", "/v1/load_lora_adapter", json=body)
 
     def unload_lora_adapter(self, name: str) -> None:
         self._call("POST", "/v1/unload_lora_adapter", json={"lora_name": name})

@@ -1,11 +1,13 @@
 """`WeightSync`: what the trainer calls every `weight_sync_steps` to push its policy to the vLLM server.
 
-Owns one sync from the trainer's side: pause generation (mode `keep` by default), line the trainer
-ranks up, send through the chosen backend (only rank 0 talks to the server; every rank joins the
-bucketed FSDP2 gather), resume, and time the parts as `perf/weight_sync_s`, `_pause_s`, `_barrier_s`,
-`_transfer_s`. Also owns choosing the backend at start-up (full weights over `nccl` or `disk`; for a
-PEFT model, adapter-only when the server can serve it and `lora_sync` allows, merged otherwise) and the
-start-up checks. Does not know the wire format, HTTP details or how each backend moves bytes.
+Owns one sync from the trainer's side: check what will be sent against the server's manifest
+(`_manifest.py`; refused before pausing), stage what can be written before the pause (the disk
+checkpoint), pause generation (mode `keep` by default), line the trainer ranks up, send through the
+chosen backend (only rank 0 talks to the server; every rank joins the bucketed FSDP2 gather), resume,
+and time the parts as `perf/weight_sync_s`, `_stage_s`, `_pause_s`, `_barrier_s`, `_transfer_s`,
+`_generation_paused_s`. One sync at a time: a call from a second thread while one runs is refused.
+Also owns the start-up sequence (backend choice and checks are in `_start_checks.py`). Does not know
+the wire format, HTTP details or how each backend moves bytes.
 
 Failures are loud and safe, and generation resumes only on weights known to be one version. When a
 send fails, the backend restores the last good version where it can (`Recovery`). If it could not but
@@ -20,6 +22,7 @@ Rank 0 shares each outcome, so no rank waits forever on the others.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -29,12 +32,13 @@ import torch.distributed as dist
 
 from ._backend import Recovery, SyncBackend
 from ._config import WeightSyncConfig
-from ._exceptions import ServerRequestError, SyncSetupError, TransferFailedError, WeightSyncError
-from ._lora_backend import adapter_problems, check_adapter_server, lora_config_of
+from ._exceptions import ManifestMismatchError, ServerRequestError, TransferFailedError, WeightSyncError
 from ._lora_weights import adapter_entries, has_lora, merged_entries
+from ._manifest import Manifest
 from ._param_stream import ParamStream, plain_entries
 from ._registry import BACKENDS
-from ._server_control import ServerControl, ServerInfo
+from ._server_control import ServerControl
+from ._start_checks import check_full_sync, choose_backend
 from ._transport import ChunkTransport
 
 logger = logging.getLogger("agrpo_sync")
@@ -56,11 +60,15 @@ class SyncTimings:
     """Wall-clock parts of one sync on the calling rank, in seconds."""
 
     weight_sync_s: float
-    """Everything the trainer waits for: pause, barrier, transfer, resume."""
+    """Everything the trainer waits for: stage, pause, barrier, transfer, resume."""
+    stage_s: float
+    """Before generation pauses: the pre-flight check and what the backend writes ahead (the disk checkpoint)."""
     pause_s: float
     barrier_s: float
     transfer_s: float
     """Gather, send, and the server loading the weights (its `finish` or reload included)."""
+    generation_paused_s: float
+    """How long generation was paused, from the `/pause` request to the `/resume` answer (0 without a pause)."""
     num_bytes: int
     """Bytes sent (0 on ranks that only joined the gather)."""
     peak_gather_bytes: int
@@ -72,10 +80,12 @@ class SyncTimings:
     def metrics(self) -> dict[str, float]:
         return {
             "perf/weight_sync_s": self.weight_sync_s,
+            "perf/weight_sync_stage_s": self.stage_s,
             "perf/weight_sync_pause_s": self.pause_s,
             "perf/weight_sync_barrier_s": self.barrier_s,
             "perf/weight_sync_transfer_s": self.transfer_s,
             "perf/weight_sync_retries": float(self.retries),
+            "perf/weight_sync_generation_paused_s": self.generation_paused_s,
         }
 
 
@@ -83,43 +93,6 @@ def _ranks() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def choose_backend(config: WeightSyncConfig, model: torch.nn.Module, info: ServerInfo) -> str:
-    """`lora` for adapter-only sync of a PEFT model when allowed and possible, else `config.backend`."""
-    if not has_lora(model) or config.lora_sync == "merged":
-        return config.backend
-    lora_config = lora_config_of(model)
-    if config.lora_sync == "adapter":
-        check_adapter_server(info, lora_config, config.max_staleness)
-        return "lora"
-    problems = adapter_problems(info, lora_config, config.max_staleness)
-    if problems:
-        logger.warning(
-            "LoRA: pushing merged weights over %s; adapter sync is off: %s",
-            config.backend,
-            "; ".join(problems),
-        )
-        return config.backend
-    return "lora"
-
-
-def check_full_sync(
-    config: WeightSyncConfig, info: ServerInfo, model: torch.nn.Module, stream: ParamStream
-) -> None:
-    """Start-up checks of a full-weight sync: the server's transfer flag; warnings for a dtype mismatch and
-    for a tied embedding on a CPU server (vLLM 0.32's CPU backend prepacks the tied `lm_head` at load and
-    its in-place reload never re-processes it, so embedding updates reach the input side only)."""
-    if config.backend == "nccl" and info.weight_transfer_backend != "nccl":
-        raise SyncSetupError(
-            f"the server's weight transfer backend is {info.weight_transfer_backend!r}; restart it with "
-            """VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config '{"backend":"nccl"}', or set backend="disk\""""
-        )
-    sent = sorted({m.dtype_name for m in stream.metadata()})
-    if info.dtype and sent != [info.dtype]:
-        logger.warning(
-            "the server runs %s and the trainer sends %s; set transfer_dtype to match", info.dtype, sent
-        )
 
 
 class WeightSync:
@@ -144,6 +117,10 @@ class WeightSync:
         self.world_size = world_size
         self._bytes_sent = 0
         self._peak_gather_bytes = 0
+        self.manifest: Manifest | None = None
+        """What the server holds, to check each sync against (rank 0): its `/weight_info`, else the first sync."""
+        self._lock = threading.Lock()
+        self._running: int | None = None
 
     @property
     def is_sender(self) -> bool:
@@ -187,6 +164,9 @@ class WeightSync:
         stream = sync.param_stream(model)
         if backend.view == "full":
             check_full_sync(config, info, model, stream)
+            sync.manifest = Manifest.from_weight_info(control.weight_info()) or Manifest.from_checkpoint(
+                info.model_root
+            )
         backend.setup(model, stream, info)
         logger.info(
             "weight sync: %s backend, %d tensors, %.3f GB per sync",
@@ -218,9 +198,30 @@ class WeightSync:
         return ParamStream(entries, bucket_bytes=self.config.gather_bucket_bytes)
 
     def sync(self, model: torch.nn.Module, version: int) -> SyncTimings:
-        """Push `model`'s weights as `version`; call on every rank. Raises `TransferFailedError` on failure."""
+        """Push `model`'s weights as `version`; call on every rank. Raises `TransferFailedError` on failure
+        (`ManifestMismatchError` when the tensors differ from the server's, before anything is sent), and
+        `WeightSyncError` when another thread's sync is running."""
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"version={version!r}; use an integer >= 0 (it names a directory and a label)")
+        if not self._lock.acquire(blocking=False):
+            raise WeightSyncError(
+                f"sync(version={version}) was called while sync(version={self._running}) is running on another "
+                "thread; WeightSync sends one version at a time: call sync from one thread (the training "
+                "loop), or wait for the running call to return"
+            )
+        try:
+            self._running = version
+            return self._sync(model, version)
+        finally:
+            self._running = None
+            self._lock.release()
+
+    def _sync(self, model: torch.nn.Module, version: int) -> SyncTimings:
         begin = time.perf_counter()
         stream = self.param_stream(model)  # walking the parameters happens before generation pauses
+        self._preflight(stream, version)
+        self._stage(stream, version)
+        staged_at = time.perf_counter()
         paused, failure = self._pause()
         paused_at = lined_up_at = time.perf_counter()
         resume = paused  # until something is sent, the server holds the last good version
@@ -235,8 +236,8 @@ class WeightSync:
         except BaseException as error:
             if paused and not resume:
                 error.add_note(
-                    f"agrpo-sync left the server paused: its weights may mix two versions. Call sync() again, "
-                    f"or restart the server (POST {self.config.base_url}/resume resumes it as it is)"
+                    "agrpo-sync left the server paused: its weights may mix two versions. Call sync() again "
+                    "(a complete sync resumes generation), or restart the server"
                 )
             raise
         finally:
@@ -244,15 +245,55 @@ class WeightSync:
                 self.control.resume()
         if failure is not None:
             raise self._error(failure, version)
+        if self.manifest is None or not self.manifest.complete:
+            self.manifest = Manifest.of(stream.metadata(), f"the first sync (version {version})")
+        end = time.perf_counter()
         return SyncTimings(
-            weight_sync_s=time.perf_counter() - begin,
-            pause_s=paused_at - begin,
+            weight_sync_s=end - begin,
+            stage_s=staged_at - begin,
+            pause_s=paused_at - staged_at,
             barrier_s=lined_up_at - paused_at,
             transfer_s=sent_at - lined_up_at,
+            generation_paused_s=end - staged_at if paused else 0.0,
             num_bytes=self._bytes_sent,
             peak_gather_bytes=self._peak_gather_bytes,
             retries=retries,
         )
+
+    def _preflight(self, stream: ParamStream, version: int) -> None:
+        """Refuse, on every rank and before anything is paused or sent, tensors that differ from the manifest."""
+        problems = []
+        if self.is_sender and self.manifest is not None:
+            problems = self.manifest.problems(Manifest.of(stream.metadata(), "this sync"))
+        problems = self._share(problems, self.world_size)
+        if problems:
+            raise ManifestMismatchError(
+                f"weight sync to version {version} refused: the tensors to send differ from "
+                f"{self.manifest.source if self.manifest else 'the server'}'s: " + "; ".join(problems),
+                problems=problems,
+                server_state="nothing was sent and generation was not paused; the server serves the last good "
+                "version. Send the same parameter names and shapes as the served model (a missing tensor would "
+                "be served from the old version, mixing two)",
+            )
+
+    def _stage(self, stream: ParamStream, version: int) -> None:
+        """Let the backend write ahead, before the pause (every rank joins the gathers); raise on failure."""
+        if not BACKENDS[self.backend_name].stages:
+            return
+        message = None
+        if self.is_sender:
+            try:
+                self.backend.stage(stream, version)
+            except _TRANSFER_ERRORS as error:
+                message = f"{type(error).__name__}: {error}"
+        stream.drain()
+        message = self._share(message, self.world_size)
+        if message is not None:
+            raise TransferFailedError(
+                f"weight sync to version {version} failed before pausing: {message}",
+                server_state="nothing reached the server: it serves the last good version and generation was "
+                "not paused (no partial checkpoint was left behind)",
+            )
 
     def _transfer(
         self, model: torch.nn.Module, stream: ParamStream, version: int, failure: _Failure | None
@@ -294,9 +335,10 @@ class WeightSync:
         state = recovery.state
         if held:
             state += (
-                f"; generation stays paused so that mixed weights are not served. To resume: {recovery.fix} "
-                f"(POST {self.config.base_url}/resume resumes it as it is, mixed weights included)"
+                f"; generation stays paused so that mixed weights are not served. To resume: {recovery.fix}"
             )
+            if recovery.resume_as_is:
+                state += f" (POST {self.config.base_url}/resume resumes it as it is, mixed weights included)"
         return TransferFailedError(
             f"weight sync to version {version} failed: {failure.message}",
             server_state=state,

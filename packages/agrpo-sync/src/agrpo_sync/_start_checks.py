@@ -1,0 +1,81 @@
+"""Start-up decisions of a weight sync: which backend serves this model, and what to warn about.
+
+Owns choosing the backend (full weights over `nccl` or `disk`; for a PEFT model, adapter-only when the
+server can serve it and `lora_sync` allows, merged weights otherwise) and the start-up checks of a
+full-weight sync: the server's transfer flag (an error naming the flag), a dtype mismatch (a warning)
+and a tied embedding on a CPU server (a warning: vLLM 0.32's CPU backend prepacks the tied `lm_head`
+at load and its in-place reload never re-processes it, so embedding updates reach the input side only;
+GPU servers have no such copy). Does not know how anything is sent.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ._config import WeightSyncConfig
+from ._exceptions import SyncSetupError
+from ._lora_backend import adapter_problems, check_adapter_server, lora_config_of
+from ._lora_weights import has_lora
+from ._param_stream import ParamStream
+from ._server_control import ServerInfo
+
+logger = logging.getLogger("agrpo_sync")
+
+
+def choose_backend(config: WeightSyncConfig, model: torch.nn.Module, info: ServerInfo) -> str:
+    """`lora` for adapter-only sync of a PEFT model when allowed and possible, else `config.backend`."""
+    if not has_lora(model) or config.lora_sync == "merged":
+        return config.backend
+    lora_config = lora_config_of(model)
+    if config.lora_sync == "adapter":
+        check_adapter_server(info, lora_config, config.max_staleness)
+        return "lora"
+    problems = adapter_problems(info, lora_config, config.max_staleness)
+    if problems:
+        logger.warning(
+            "LoRA: pushing merged weights over %s; adapter sync is off: %s",
+            config.backend,
+            "; ".join(problems),
+        )
+        return config.backend
+    return "lora"
+
+
+def has_tied_embedding(model: torch.nn.Module) -> bool:
+    """True when the model's output head shares its weight with the input embedding."""
+    get_input, get_output = (
+        getattr(model, n, None) for n in ("get_input_embeddings", "get_output_embeddings")
+    )
+    if get_input is None or get_output is None:
+        return False
+    embedding, head = get_input(), get_output()
+    weight = getattr(embedding, "weight", None)
+    return weight is not None and weight is getattr(head, "weight", None)
+
+
+def check_full_sync(
+    config: WeightSyncConfig, info: ServerInfo, model: torch.nn.Module, stream: ParamStream
+) -> None:
+    """Start-up checks of a full-weight sync: the server's transfer flag; warnings for a dtype mismatch and
+    for a tied embedding on a CPU server."""
+    if config.backend == "nccl" and info.weight_transfer_backend != "nccl":
+        raise SyncSetupError(
+            f"the server's weight transfer backend is {info.weight_transfer_backend!r}; restart it with "
+            """VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config '{"backend":"nccl"}', or set backend="disk\""""
+        )
+    sent = sorted({m.dtype_name for m in stream.metadata()})
+    if info.dtype and sent != [info.dtype]:
+        logger.warning(
+            "the server runs %s and the trainer sends %s; set transfer_dtype to match", info.dtype, sent
+        )
+    if info.device == "cpu" and has_tied_embedding(model):
+        logger.warning(
+            "the model ties its output head to its input embedding and the server runs on CPU: vLLM %s's CPU "
+            "backend prepacks the tied lm_head at load and never refreshes it on reload, so updates of the "
+            "embedding reach the server's input side only and its output head keeps the start-up weights. "
+            "Untie them (tie_word_embeddings=False) to train the embedding against a CPU server, or use a GPU "
+            "server",
+            info.version,
+        )

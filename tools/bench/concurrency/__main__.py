@@ -1,0 +1,135 @@
+"""Rollout goodput under fixed concurrency caps and under the adaptive rules, side by side in one run.
+
+Run: `uv run python -m tools.bench.concurrency [--seconds 45] [--rounds 2] [--caps 8 16 32 64 128]`. Two
+CPU vLLM servers in turn, one tiny Qwen3 model: `small-kv`, whose KV cache holds only a few full-length
+requests (`--small-kv-requests` x `--max-model-len` tokens), and `large-kv` (1 GiB, 2 million tokens of
+this model). On each, every setting runs the same GRPO workload for the same window from a standing
+start, once per round, each round in a rotated order: fixed caps (`concurrency_control="fixed"`),
+`goodput` (the default rule) and `kv_usage` (the reference's), the adaptive ones under the largest cap
+as their bound. Reported per setting: generated tokens/s and preemptions over its windows (the
+server's own counters; see `workload.py`), rollouts finished, the cap's range and the server's mean
+running and waiting requests and KV usage. The check of issue 10: `goodput` reaches at least 0.95x the
+tokens/s of the best fixed cap, with at most a quarter of that cap's preemptions, on both servers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import tempfile
+from pathlib import Path
+
+from tools.bench.concurrency.workload import Setting, SizedServer, Window, measure
+from tools.tiny_models import build_tokenizer, save_tiny_model
+
+KV_BYTES_PER_TOKEN = 2 * 2 * 1 * 32 * 4
+"""Tiny Qwen3 (tools/tiny_models defaults): 2 layers x (K, V) x 1 KV head x head_dim 32 x float32."""
+
+
+def _settings(caps: list[int]) -> list[Setting]:
+    fixed = [Setting(name=f"fixed {cap}", control="fixed", cap=cap) for cap in caps]
+    bound = max(caps)
+    return [
+        *fixed,
+        Setting(name=f"goodput (<= {bound})", control="goodput", cap=bound),
+        Setting(name=f"kv_usage (<= {bound})", control="kv_usage", cap=bound),
+    ]
+
+
+def _row(name: str, windows: list[Window]) -> str:
+    """One setting over its rounds: tokens/s over the summed windows, summed counts, mean gauges."""
+    tokens_per_s = sum(w.generated_tokens for w in windows) / sum(w.seconds for w in windows)
+    per_round = "/".join(f"{w.tokens_per_s:,.0f}" for w in windows)
+    caps = [c for w in windows for c in w.caps]
+    cap_range = f"{min(caps):.0f}-{max(caps):.0f}" if caps else "-"
+    gauges = {k: sum(w.gauges[k] for w in windows) / len(windows) for k in ("running", "waiting", "kv_usage")}
+    return (
+        f"| {name} | {tokens_per_s:,.0f} ({per_round}) | {sum(w.preemptions for w in windows)} | "
+        f"{sum(w.completed_rollouts for w in windows)} | {cap_range} | "
+        f"{gauges['running']:.1f} / {gauges['waiting']:.1f} | {gauges['kv_usage']:.2f} |"
+    )
+
+
+def _verdict(by_name: dict[str, list[Window]]) -> str:
+    def rate(windows: list[Window]) -> float:
+        return sum(w.generated_tokens for w in windows) / sum(w.seconds for w in windows)
+
+    fixed = {n: ws for n, ws in by_name.items() if ws[0].setting.control == "fixed"}
+    best = max(fixed, key=lambda n: rate(fixed[n]))
+    goodput = next(n for n, ws in by_name.items() if ws[0].setting.control == "goodput")
+    ratio = rate(by_name[goodput]) / rate(fixed[best])
+    best_preemptions = sum(w.preemptions for w in fixed[best])
+    preemptions = sum(w.preemptions for w in by_name[goodput])
+    met = ratio >= 0.95 and preemptions <= best_preemptions / 4
+    return (
+        f"best fixed: {best} ({rate(fixed[best]):,.0f} tok/s, {best_preemptions} preemptions); goodput: "
+        f"{ratio:.2f}x its tokens/s, {preemptions} preemptions (allowed <= {best_preemptions / 4:g}): "
+        f"{'met' if met else 'NOT met'}"
+    )
+
+
+def _run_server(name: str, server: SizedServer, tokenizer, args: argparse.Namespace) -> None:
+    """Every setting once per round, each round in a rotated order, so a change in the machine's load (or
+    anything that drifts within a round) does not favour one setting."""
+    by_name: dict[str, list[Window]] = {}
+    with server:
+        size = server.kv_cache_bytes or server.kv_cache_gib * 2**30
+        print(f"\n### {name}: KV cache {size:,} bytes ({size // KV_BYTES_PER_TOKEN:,} tokens)\n", flush=True)
+        for round_index in range(args.rounds):
+            settings = list(enumerate(_settings(args.caps)))
+            shift = (
+                round_index * len(settings) // args.rounds
+            )  # each round starts elsewhere: no position bias
+            for index, setting in settings[shift:] + settings[:shift]:
+                window = measure(
+                    server, tokenizer, setting, seconds=args.seconds, completion_tokens=args.completion_tokens,
+                    prompt_words=args.prompt_words, num_generations=args.num_generations,
+                    tag=f"r{round_index:02d}s{index:02d}",
+                )  # fmt: skip
+                by_name.setdefault(setting.name, []).append(window)
+                print(f"round {round_index}: {_row(setting.name, [window])}", flush=True)
+    print(
+        "\n| setting | generated tok/s (per round) | preemptions | rollouts finished | cap range | "
+        "running / waiting (mean) | KV usage (mean) |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for setting_name, windows in by_name.items():
+        print(_row(setting_name, windows))
+    print(f"\n{name}: {_verdict(by_name)}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="fixed concurrency caps vs adaptive rules, side by side")
+    parser.add_argument("--seconds", type=float, default=60.0, help="window per setting and round")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds over all settings, interleaved")
+    parser.add_argument("--caps", type=int, nargs="+", default=[4, 8, 16, 32, 64, 128])
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument(
+        "--small-kv-requests", type=int, default=4, help="full-length requests the small cache holds"
+    )
+    parser.add_argument("--completion-tokens", type=int, default=512)
+    parser.add_argument("--prompt-words", type=int, default=24)
+    parser.add_argument("--num-generations", type=int, default=8)
+    parser.add_argument(
+        "--servers", nargs="+", default=["small-kv", "large-kv"], choices=["small-kv", "large-kv"]
+    )
+    args = parser.parse_args()
+    print(
+        f"{datetime.date.today()}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"load average {os.getloadavg()[0]:.2f}; {vars(args)}"
+    )
+    model_dir = save_tiny_model(Path(tempfile.mkdtemp(prefix="agrpo-bench-concurrency-")))
+    tokenizer = build_tokenizer()
+    small = args.small_kv_requests * args.max_model_len * KV_BYTES_PER_TOKEN
+    servers = {
+        "small-kv": SizedServer(model_dir=model_dir, max_model_len=args.max_model_len, kv_cache_bytes=small),
+        "large-kv": SizedServer(model_dir=model_dir, max_model_len=args.max_model_len),
+    }
+    for name in args.servers:
+        _run_server(name, servers[name], tokenizer, args)
+
+
+if __name__ == "__main__":
+    main()
