@@ -3,21 +3,29 @@
 The server is started once per test session (start-up takes 25-90 s on 2 cores) and every test that
 needs a generation server uses it. Tests that change the server's weights or adapters restore them
 before they return, so test order never matters. `readme_example` runs a package README's example
-the way a reader would, so every README's example is also a test.
+the way a reader would, so every README's example is also a test; an example that starts a `VLLMServer`
+attaches to the session's `training_server` instead (`AGRPO_VLLM_URL`), a start-up saved per example.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tools.dev_server import VLLMServer
-from tools.tiny_models import TinyModelSpec, build_tokenizer, save_tiny_model
+from agrpo_attention.testing import TinyModelSpec, build_tokenizer, save_tiny_model
+from agrpo_rollout.testing import ATTACH_URL_ENV, VLLMServer
+
+
+def pytest_configure(config) -> None:
+    """Every test starts the servers it needs: an `AGRPO_VLLM_URL` left in the shell must not redirect them
+    (`readme_example` and the wheel test set it themselves, for the examples only)."""
+    os.environ.pop(ATTACH_URL_ENV, None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,9 +36,14 @@ class ReadmeRun:
     names: dict
 
 
+def readme_example_code(readme: Path) -> str:
+    """The first Python block under the README's `## Example` heading."""
+    return re.search(r"## Example.*?```python\n(.*?)```", readme.read_text(), re.DOTALL).group(1)
+
+
 def run_readme_example(readme: Path) -> ReadmeRun:
     """Run the first Python block under the README's `## Example` heading, as a reader would paste it."""
-    code = re.search(r"## Example.*?```python\n(.*?)```", readme.read_text(), re.DOTALL).group(1)
+    code = readme_example_code(readme)
     names: dict = {"__name__": "readme"}
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -39,9 +52,13 @@ def run_readme_example(readme: Path) -> ReadmeRun:
 
 
 @pytest.fixture
-def readme_example(request) -> ReadmeRun:
-    """The example of the README of the package whose test asks for it."""
-    return run_readme_example(Path(request.path).resolve().parents[1] / "README.md")
+def readme_example(request, monkeypatch) -> ReadmeRun:
+    """The example of the README of the package whose test asks for it; one that starts a `VLLMServer`
+    gets the session's `training_server` (its models are tiny untied Qwen3s of the same shape)."""
+    readme = Path(request.path).resolve().parents[1] / "README.md"
+    if "VLLMServer(" in readme_example_code(readme):
+        monkeypatch.setenv(ATTACH_URL_ENV, request.getfixturevalue("training_server").url)
+    return run_readme_example(readme)
 
 
 SERVER_MAX_LORAS = 4
@@ -77,6 +94,7 @@ def vllm_server(tiny_qwen3_dir):
     """One real CPU vLLM server for the whole session, serving `tiny_qwen3_dir` with runtime LoRA on."""
     server = VLLMServer(
         model_dir=tiny_qwen3_dir,
+        attach_url=None,  # always its own server: the LoRA flags below
         extra_args=[
             "--enable-lora",
             "--max-lora-rank", str(SERVER_MAX_LORA_RANK),
@@ -100,5 +118,5 @@ def untied_qwen3_dir(tmp_path_factory) -> Path:
 def training_server(untied_qwen3_dir):
     """One real CPU vLLM server for the trainer's tests, serving `untied_qwen3_dir`; tests that train on it
     push weights, so each starts by pushing its own (the trainer's first sync)."""
-    with VLLMServer(model_dir=untied_qwen3_dir, max_model_len=1024) as server:
+    with VLLMServer(model_dir=untied_qwen3_dir, max_model_len=1024, attach_url=None) as server:
         yield server

@@ -22,10 +22,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from agrpo_attention import enable_tree_attention, token_logprobs
+from agrpo_attention.testing import save_tiny_model
 from agrpo_packing import PackingConfig, PackSample, Planner
 from agrpo_rollout import AsyncRolloutLoop, RolloutConfig, RolloutSample
-from tools.dev_server import VLLMServer
-from tools.tiny_models import save_tiny_model
+from agrpo_rollout.testing import VLLMServer
 
 PROMPTS = [f"What is {a} + {b}? Answer with a number." for a, b in [(2, 3), (17, 25), (40, 2), (7, 8)]]
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+from agrpo_attention.testing import TinyModelSpec, build_model, build_tokenizer
 from agrpo_packing import PackedRow, PackSample, TreeRow
 from agrpo_packing.testing import GroupShape, random_grpo_groups
-from tools.tiny_models import TinyModelSpec, build_model, build_tokenizer
 
 
 def visibility_from_paths(row: PackedRow) -> torch.Tensor:

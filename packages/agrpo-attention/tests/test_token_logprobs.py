@@ -341,7 +341,7 @@ def test_requests_the_row_or_model_cannot_serve_name_the_fix(tree_dense, trees):
 
 
 def tiny_moe():
-    from tools.tiny_models import TinyModelSpec, build_model, build_tokenizer
+    from agrpo_attention.testing import TinyModelSpec, build_model, build_tokenizer
 
     return build_model(TinyModelSpec(kind="moe"), build_tokenizer())
 

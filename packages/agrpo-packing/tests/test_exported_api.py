@@ -13,6 +13,7 @@ EXPORTED = [
     "PackingError",
     "Planner",
     "RowFullError",
+    "SFTCollator",
     "TreeRow",
     "UnpackedSample",
     "reference_logprobs",

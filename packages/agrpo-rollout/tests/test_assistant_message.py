@@ -9,7 +9,7 @@ CALLS = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_cal
 
 @pytest.fixture
 def template_tokenizer(tool_tokenizer):
-    """The tiny tokenizer carries a `response_template` (tools/tiny_models.py), read by `parse_response`."""
+    """The tiny tokenizer carries a `response_template` (agrpo_attention.testing), read by `parse_response`."""
     assert tool_tokenizer.response_template is not None
     return tool_tokenizer
 

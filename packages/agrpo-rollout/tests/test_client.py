@@ -15,7 +15,7 @@ from agrpo_rollout import (
     VLLMClient,
     decode_generate,
 )
-from tools.dev_server import DEFAULT_ENV_DIR
+from agrpo_rollout.testing import DEFAULT_ENV_DIR
 
 
 def test_sample_returns_ids_log_probs_and_top_alternatives(server_config):
@@ -141,7 +141,7 @@ def test_generate_protocol_with_sampling_masks_against_vllms_own_models(server_c
 
 
 def test_wait_until_ready(server_config):
-    from tools.dev_server import free_port
+    from agrpo_rollout.testing import free_port
 
     async def go():
         async with VLLMClient(server_config()) as client:

@@ -1,17 +1,21 @@
 import asyncio
 import json
+import shlex
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
 from agrpo_rollout import ServerUnavailableError
-from agrpo_rollout.__main__ import main, tokenizer_source
-from agrpo_rollout._eval_dataset import load_eval_dataset
+from agrpo_rollout.__main__ import _parser, main, tokenizer_source
+from agrpo_rollout._eval_dataset import fit_context, load_eval_dataset, prompt_length
 from agrpo_rollout._evaluation import _report, evaluate, exact_match, extract_answer, resolve_reward
-from tools.dev_server import free_port
+from agrpo_rollout.testing import free_port
 
 
 def test_builtin_rewards_and_pass_at_k():
@@ -90,9 +94,10 @@ def test_eval_cli_on_a_jsonl_file(vllm_server, tmp_path, capsys, monkeypatch):
 def _cli_user_errors(tmp_path) -> dict:
     """Runs `main` on user errors in a fresh interpreter: the exit code, stderr, and whether transformers
     or datasets were imported by then."""
-    good = _write_rows(tmp_path / "good.jsonl", [{"prompt": "hi"}])
+    good = _write_rows(tmp_path / "good.jsonl", [{"prompt": "hi", "answer": "1"}])
     (tmp_path / "empty.jsonl").write_text("")
-    bad = _write_rows(tmp_path / "bad.jsonl", [{"prompt": "hi"}], ["{not json"])
+    bad = _write_rows(tmp_path / "bad.jsonl", [{"prompt": "hi", "answer": "1"}], ["{not json"])
+    solution = _write_rows(tmp_path / "solution.jsonl", [{"prompt": "hi", "solution": "4"}])
     base = ["eval", "--model", "m", "--reward", "exact"]
     cases = {
         "top_p": [*base, "--dataset", str(good), "--top-p", "0.9"],
@@ -101,6 +106,8 @@ def _cli_user_errors(tmp_path) -> dict:
         "v1": [*base, "--dataset", str(good), "--base-url", "http://localhost:8000/v1"],
         "empty": [*base, "--dataset", str(tmp_path / "empty.jsonl")],
         "bad_json": [*base, "--dataset", str(bad)],
+        "answer": [*base, "--dataset", str(solution)],
+        "gym_file": ["eval", "--model", "m", "--dataset", str(good), "--reward", "gym"],
     }
     code = f"""
 import contextlib, io, json, sys
@@ -127,6 +134,9 @@ def test_user_errors_are_one_line_each_and_come_before_the_heavy_imports(tmp_pat
         "v1": "ends in /v1; pass the server's root (http://localhost:8000)",
         "empty": "has no usable rows: it is empty",
         "bad_json": "bad.jsonl:2: not valid JSON",
+        "answer": "solution.jsonl:1: no 'answer' column (it has ['prompt', 'solution']), which --reward exact "
+        "compares completions with; pass --answer-column naming it",
+        "gym_file": "--reward gym scores reasoning-gym tasks with their own scorer; pass a task name as --dataset",
     }
     for name, (code, stderr, heavy) in results.items():
         assert code == 2 and stderr.count("\n") == 1 and stderr.startswith("agrpo-rollout eval: error: "), (
@@ -138,7 +148,7 @@ def test_user_errors_are_one_line_each_and_come_before_the_heavy_imports(tmp_pat
 
 
 def test_a_wrong_url_fails_fast_naming_the_flags(vllm_server, tmp_path, capsys):
-    data = _write_rows(tmp_path / "p.jsonl", [{"prompt": "hi"}])
+    data = _write_rows(tmp_path / "p.jsonl", [{"prompt": "hi", "answer": "1"}])
     base = ["eval", "--model", vllm_server.model_name, "--dataset", str(data), "--reward", "exact"]
     assert main([*base, "--base-url", f"http://127.0.0.1:{free_port()}", "--server-timeout", "1"]) == 2
     refused = capsys.readouterr().err
@@ -174,7 +184,7 @@ def test_a_served_name_that_is_no_tokenizer_fails_at_once_naming_tokenizer(
     """Without --tokenizer the CLI loaded `--model` with transformers: for a LoRA adapter's name that meant
     a hub lookup (55 s of retries offline) and a library traceback."""
     adapter = _save_lora_adapter(tiny_qwen3_dir, tmp_path / "adapter")
-    data = _write_rows(tmp_path / "p.jsonl", [{"prompt": "hi"}])
+    data = _write_rows(tmp_path / "p.jsonl", [{"prompt": "hi", "answer": "1"}])
     loaded = httpx.post(f"{vllm_server.url}/v1/load_lora_adapter", json={"lora_name": "eval-alias", "lora_path": str(adapter)}, timeout=120)  # fmt: skip
     assert loaded.status_code == 200, loaded.text
     try:
@@ -247,3 +257,112 @@ def test_reasoning_gym_tasks_load_and_score_with_their_own_scorer():
     right = [[{"role": "assistant", "content": f"<answer>{r['answer']}</answer>"}] for r in rows]
     assert gym_score(right, entry=[r["entry"] for r in rows]) == [1.0, 1.0, 1.0]
     assert gym_score(["nonsense"] * 3, entry=[r["entry"] for r in rows]) == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match=r"nor a reasoning-gym task .*did you mean 'basic_arithmetic'"):
+        load_eval_dataset("basic_arithmatic")
+
+
+def test_library_warnings_name_the_commands_flags():
+    import logging
+
+    from agrpo_rollout.__main__ import _FlagNames
+
+    record = logging.LogRecord("agrpo_rollout", logging.WARNING, __file__, 1, "max_completion_length=%d >= x", (9,), None)
+    assert _FlagNames().filter(record) and record.getMessage() == "--max-completion-length=9 >= x"
+
+
+def test_a_wrong_model_name_is_named_before_the_tokenizer_loads(vllm_server, tiny_qwen3_dir, tmp_path, capsys):
+    data = _write_rows(tmp_path / "p.jsonl", [{"prompt": "hi", "answer": "1"}])
+    argv = ["eval", "--base-url", vllm_server.url, "--model", "qwen3-tiny", "--tokenizer", str(tiny_qwen3_dir),
+            "--dataset", str(data), "--reward", "exact"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert f"--model 'qwen3-tiny' is not served (the server serves ['{vllm_server.model_name}'" in err
+
+
+def test_a_prompt_longer_than_the_servers_context_is_named_or_skipped(vllm_server, tmp_path, capsys):
+    long_prompt = "the " * (vllm_server.max_model_len + 10)
+    data = _write_rows(tmp_path / "p.jsonl", [{"prompt": "hi", "answer": "1"}, {"prompt": long_prompt, "answer": "1"}])
+    base = ["eval", "--base-url", vllm_server.url, "--model", vllm_server.model_name, "--dataset", str(data),
+            "--reward", "exact", "--num-generations", "2", "--max-completion-length", "4", "--no-progress"]  # fmt: skip
+    assert main(base) == 2
+    err = capsys.readouterr().err
+    assert "p.jsonl:2: the prompt is " in err and f"the server's max_model_len is {vllm_server.max_model_len}" in err
+    assert "--max-model-len, or pass --skip-bad-rows" in err and err.count("\n") == 1
+    assert main([*base, "--skip-bad-rows"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("skipped 1 malformed rows") and "p.jsonl:2: the prompt is" in printed[0]
+    assert json.loads(printed[-1])["num_prompts"] == 1
+
+
+def test_parquet_with_named_columns_shows_a_progress_bar_and_a_one_screen_summary(
+    vllm_server, tmp_path, capsys
+):
+    import datasets
+
+    rows = {"question": [f"What is {i}+{i}?" for i in range(3)], "solution": [str(2 * i) for i in range(3)]}
+    path = tmp_path / "q.parquet"
+    datasets.Dataset.from_dict(rows).to_parquet(str(path))
+    out = tmp_path / "out.jsonl"
+    argv = ["eval", "--base-url", vllm_server.url, "--model", vllm_server.model_name, "--dataset", str(path),
+            "--prompt-column", "question", "--answer-column", "solution", "--reward", "exact",
+            "--reward", "contains", "--num-generations", "2", "--max-completion-length", "4", "--output", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "eval: 100%" in captured.err and "3/3" in captured.err and "pass@1" in captured.err, captured.err
+    summary = captured.out.splitlines()
+    assert summary[0] == f"agrpo-rollout eval: {path} on {vllm_server.model_name} at {vllm_server.url}"
+    labels = [line.split()[0] for line in summary[1:-1]]
+    assert labels == ["prompts", "mean", "pass@1", "pass@2", "completions", "throughput", "output"]
+    assert "exact_match" in summary[2] and "contains_answer" in summary[2]
+    assert len(summary) <= 24, "one screen"
+    report = json.loads(summary[-1])
+    assert report["num_prompts"] == 3 and set(report["mean_reward_by_func"]) == {"exact_match", "contains_answer"}
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(lines) == 6 and lines[0]["prompt"] == [{"role": "user", "content": "What is 0+0?"}]
+
+
+def test_prompt_lengths_are_the_loops_and_long_ones_are_skipped_or_named(tool_tokenizer, tmp_path):
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    rendered = tool_tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    assert prompt_length(tool_tokenizer, messages) == len(rendered)
+    assert prompt_length(tool_tokenizer, "plain text") == len(tool_tokenizer.encode("plain text"))
+    data = load_eval_dataset(str(_write_rows(tmp_path / "d.jsonl", [{"prompt": "a"}, {"prompt": "b"}])))
+    assert data.origins == [f"{tmp_path}/d.jsonl:1", f"{tmp_path}/d.jsonl:2"]
+    kept = fit_context(data, [10, 64], 64, skip_bad_rows=True)
+    assert [r["prompt"][0]["content"] for r in kept.rows] == ["a"] and len(kept.skipped) == 1
+    with pytest.raises(ValueError, match=r"d\.jsonl:2: the prompt is 64 tokens, the server's max_model_len is 64"):
+        fit_context(data, [10, 64], 64, skip_bad_rows=False)
+
+
+def test_the_readmes_eval_commands_are_valid_command_lines():
+    """Every `agrpo-rollout eval ...` line a README shows parses with this command's own parser."""
+    root = Path(__file__).resolve().parents[3]
+    commands = []
+    for readme in (root / "README.md", root / "packages" / "agrpo-rollout" / "README.md"):
+        text = readme.read_text().replace("\\\n", " ")
+        commands += [line.split("  # ")[0] for line in text.splitlines() if line.startswith("agrpo-rollout eval ")]
+    assert len(commands) >= 3, commands
+    for command in commands:
+        args = _parser().parse_args(shlex.split(command)[1:])
+        assert args.command == "eval" and args.reward, command
+
+
+def test_ctrl_c_keeps_the_finished_rollouts_and_says_where(vllm_server, tmp_path):
+    data = _write_rows(tmp_path / "p.jsonl", [{"prompt": f"question {i}", "answer": "1"} for i in range(60)])
+    out = tmp_path / "out.jsonl"
+    argv = [sys.executable, "-m", "agrpo_rollout", "eval", "--base-url", vllm_server.url, "--model",
+            vllm_server.model_name, "--dataset", str(data), "--reward", "exact", "--num-generations", "2",
+            "--max-completion-length", "64", "--max-concurrent-rollouts", "2", "--output", str(out), "--no-progress"]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not (out.exists() and out.read_text()) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert err.strip().splitlines()[-1] == (
+        f"agrpo-rollout eval: interrupted; the rollouts finished before it are in {out}"
+    )
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert 2 <= len(lines) < 120 and len(lines) % 2 == 0, "whole groups only"

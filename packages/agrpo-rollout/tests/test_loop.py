@@ -9,7 +9,6 @@ only (`output_mask` 0): nothing is trained on them and no log-prob is invented f
 import asyncio
 import logging
 import math
-import re
 
 import numpy as np
 import pytest
@@ -19,9 +18,8 @@ from agrpo_rollout import (
     AsyncRolloutLoop,
     RequestRejectedError,
     ServerUnavailableError,
-    TopLogprobs,
-    TurnRecord,
 )
+from agrpo_rollout.testing import scripted_turn
 
 
 def add(a: int, b: int) -> int:
@@ -42,9 +40,6 @@ def constant_reward(completions, **_):
     return [1.0] * len(completions)
 
 
-_PLAIN = re.compile(r"[A-Za-z0-9 ]*")
-
-
 class ScriptedToolLoop(AsyncRolloutLoop):
     """Real sampled tokens, then a scripted tool call on the first turn (context only)."""
 
@@ -54,27 +49,7 @@ class ScriptedToolLoop(AsyncRolloutLoop):
         real = await super().generate_one_turn(prompt_ids, max_tokens=min(3, max_tokens or 3))
         if self.tokenizer.convert_tokens_to_ids("<tool_response>") in prompt_ids:
             return real
-        scripted = np.asarray(
-            self.tokenizer.encode(self.script, add_special_tokens=False) + [self.tokenizer.eos_token_id]
-        )
-        # Sampled special tokens or punctuation ("<", "{", a tool tag) before the scripted call can change how
-        # it parses: keep only sampled tokens that read as letters, digits or spaces.
-        plain = np.array([_PLAIN.fullmatch(self.tokenizer.decode([int(t)])) is not None for t in real.output_ids],
-                         dtype=bool)  # fmt: skip
-        n_real, n_script = int(plain.sum()), scripted.shape[0]
-        top = real.output_sampler_logprobs
-        top = TopLogprobs(ids=top.ids[plain], logprobs=top.logprobs[plain])
-        return TurnRecord(
-            prompt_ids=prompt_ids,
-            output_ids=np.concatenate([real.output_ids[plain], scripted]),
-            output_log_probs=np.concatenate([real.output_log_probs[plain], np.zeros(n_script, np.float32)]),
-            output_mask=np.concatenate([np.ones(n_real, bool), np.zeros(n_script, bool)]),
-            output_sampler_logprobs=TopLogprobs(
-                ids=np.concatenate([top.ids, np.full((n_script, top.ids.shape[1]), -1)]),
-                logprobs=np.concatenate([top.logprobs, np.full((n_script, top.ids.shape[1]), -np.inf)]),
-            ),
-            finish_reason="stop",
-        )
+        return scripted_turn(self.tokenizer, real, self.script)
 
 
 class ThinkingToolLoop(ScriptedToolLoop):
@@ -359,7 +334,7 @@ def test_a_group_whose_adapter_left_the_server_is_dropped_as_stale_once_a_newer_
     server_config, tool_tokenizer, monkeypatch
 ):
     """The real server answers 404 for an adapter it does not serve (as after a LoRA window unload)."""
-    monkeypatch.setattr("agrpo_rollout._loop._RETIRED_WAIT_S", 1.0)
+    monkeypatch.setattr("agrpo_rollout._group_dispatch._RETIRED_WAIT_S", 1.0)
     dataset = [{"prompt": _chat("q")}]
     config = server_config(model_name="never-loaded-v{version}")
     versions = iter([1])  # the group is dispatched at version 1; version 2 is published meanwhile
@@ -436,3 +411,32 @@ def test_overrides_with_the_reference_signature_still_run(server_config, tool_to
     loop.seen = []
     _, groups, _ = _run(loop)
     assert len(loop.seen) == 2 and all(len(r.completion_ids) <= 3 for r in groups[0].group.rollouts)
+
+
+def test_a_blocked_sink_stops_new_groups_once_the_score_queue_is_full(server_config, tool_tokenizer):
+    """Slots come back when rollouts end, so without this a blocked sink would let finished groups pile up
+    in front of the score queue for as long as prompts last."""
+    settings = dict(num_generations=2, max_concurrent_rollouts=4, score_queue_maxsize=2)
+
+    async def go():
+        release = asyncio.Event()
+        loop = AsyncRolloutLoop(server_config(**settings), tokenizer=tool_tokenizer,
+                                dataset=[{"prompt": _chat("Go on.")}], reward_funcs=length_reward)  # fmt: skip
+        draws = []
+
+        async def blocked(sample):
+            await release.wait()
+
+        task = asyncio.ensure_future(loop.run(blocked, on_draw=lambda row, epoch: draws.append(epoch)))
+        await asyncio.sleep(10)  # far longer than the few tiny rollouts that fit
+        filled = len(draws)
+        await asyncio.sleep(4)
+        still = len(draws)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return filled, still
+
+    filled, still = asyncio.run(go())
+    # one group at the blocked sink, two in the queue, up to two in flight (4 slots, 2 rollouts each)
+    assert 3 <= filled == still <= 6, (filled, still)

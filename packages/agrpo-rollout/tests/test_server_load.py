@@ -1,4 +1,5 @@
 import httpx
+import pytest
 
 from agrpo_rollout import ServerLoad
 
@@ -36,3 +37,12 @@ def test_no_vllm_metrics_means_none():
 def test_real_server_metrics(vllm_server):
     load = ServerLoad.from_text(httpx.get(f"{vllm_server.url}/metrics", timeout=30).text)
     assert load is not None and load.kv_cache_tokens > 0 and 0.0 <= load.kv_cache_usage <= 1.0
+
+
+def test_the_process_start_time_is_read_as_the_servers_identity():
+    text = (
+        "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine=\"0\"} 2.0\n"
+        "# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds 1.79616960815e+09\n"
+    )
+    assert ServerLoad.from_text(text).started_at == pytest.approx(1.79616960815e09)
+    assert ServerLoad.from_text(text.split("# TYPE process")[0]).started_at is None

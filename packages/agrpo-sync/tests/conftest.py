@@ -4,20 +4,16 @@ on the size of the files this process writes (a real "File too large")."""
 
 from __future__ import annotations
 
-import resource
-import signal
-import threading
-from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
 import httpx
 import pytest
 import torch
 
+from agrpo_attention.testing import TinyModelSpec, build_model, build_tokenizer
 from agrpo_sync import ServerControl
 from tools.bench.weight_sync.gloo_transport import GlooTransport
 from tools.bench.weight_sync.stub_worker import StubWorker
-from tools.tiny_models import TinyModelSpec, build_model, build_tokenizer
+from tools.file_size_limit import file_size_limit as file_size_limit_cm
+from tools.loopback_http import LoopbackHTTP
 
 PROMPT = "What is 12 + 30? The answer is 42. The weather in the city is hot"
 
@@ -33,7 +29,7 @@ class FaultProxy:
         self.target = target
         self.faults: dict[str, tuple[str, str]] = {}
         self.client = httpx.Client(timeout=600)
-        self.server: ThreadingHTTPServer | None = None
+        self.server: LoopbackHTTP | None = None
 
     def arm(self, path: str, mode: str, contains: str = "") -> None:
         self.faults[path] = (mode, contains)
@@ -51,36 +47,12 @@ class FaultProxy:
         return response.status_code, response.content
 
     def start(self) -> str:
-        proxy = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-            disable_nagle_algorithm = True  # one small response must not wait for a delayed ACK (40 ms)
-
-            def _handle(self, method: str) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                status, data = proxy._answer(method, self.path, body)
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self) -> None:
-                self._handle("GET")
-
-            def do_POST(self) -> None:
-                self._handle("POST")
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        return f"http://127.0.0.1:{self.server.server_port}"
+        self.server = LoopbackHTTP(self._answer)
+        return self.server.url
 
     def stop(self) -> None:
         if self.server is not None:
-            self.server.shutdown()
+            self.server.stop()
         self.client.close()
 
 
@@ -173,26 +145,14 @@ def stub_worker():
     """A stub vLLM worker speaking the NCCL weight-transfer protocol over gloo, on a local port."""
     worker = StubWorker(transport=GlooTransport(timeout_s=20), dtype="float32")
     server = worker.serve()
-    worker.url = f"http://127.0.0.1:{server.server_port}"
+    worker.url = server.url
     yield worker
     worker.released.set()
-    server.shutdown()
-
-
-@contextmanager
-def _file_size_limit(num_bytes: int):
-    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (num_bytes, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        signal.signal(signal.SIGXFSZ, handler)
+    server.stop()
 
 
 @pytest.fixture
 def file_size_limit():
     """`with file_size_limit(n):` files this process writes may not exceed n bytes; writing more fails with
     the OS's "File too large" (EFBIG), as a full or quota-limited disk would."""
-    return _file_size_limit
+    return file_size_limit_cm

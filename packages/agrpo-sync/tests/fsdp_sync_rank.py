@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
+from agrpo_attention.testing import TinyModelSpec, build_model, build_tokenizer
 from agrpo_sync import TransferFailedError, WeightSync, WeightSyncConfig
 from tools.bench.weight_sync.gloo_transport import GlooTransport
-from tools.tiny_models import TinyModelSpec, build_model, build_tokenizer
 
 
 def sharded_model() -> torch.nn.Module:

@@ -96,8 +96,8 @@ def measure(
 
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the workspace root, for `tools`
-    from tools.dev_server import VLLMServer
-    from tools.tiny_models import TinyModelSpec, build_model, build_tokenizer, save_tiny_model
+    from agrpo_attention.testing import TinyModelSpec, build_model, build_tokenizer, save_tiny_model
+    from agrpo_rollout.testing import VLLMServer
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3, help="measurements per setting")

@@ -11,10 +11,12 @@ from safetensors.torch import load_file
 from agrpo_sync._checkpoint_dir import (
     INDEX_FILE,
     CheckpointWriteError,
+    HostStaging,
     fresh_directory,
     host_copy,
     write_checkpoint,
 )
+from agrpo_sync._wire_format import TensorMeta
 
 
 def test_shards_and_index_hold_every_tensor_and_the_partial_dir_is_gone(tmp_path):
@@ -63,3 +65,29 @@ def test_a_directory_in_use_gets_a_fresh_name_beside_it(tmp_path):
     assert fresh_directory(target, set()) == target
     assert fresh_directory(target, {target}) == tmp_path / "p-v3.1"
     assert fresh_directory(target, {target, tmp_path / "p-v3.1"}) == tmp_path / "p-v3.2"
+
+
+def test_host_staging_hands_host_tensors_through_and_reserves_buffers_by_name(tmp_path):
+    staging = HostStaging()
+    staging.reserve([TensorMeta("a", torch.bfloat16, (2, 3)), TensorMeta("b", torch.float32, (4,))])
+    assert {n: (tuple(b.shape), b.dtype) for n, b in staging._buffers.items()} == {
+        "a": ((2, 3), torch.bfloat16),
+        "b": ((4,), torch.float32),
+    }
+    base = torch.arange(6.0)
+    copies = staging.copy(iter([("whole", base), ("alias", base.view(2, 3))]))
+    assert copies["whole"].data_ptr() == base.data_ptr()  # host tensors are written from where they are
+    assert copies["alias"].untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+    target = write_checkpoint(
+        iter([list(copies.items())]), tmp_path / "v1", single_file="adapter_model.safetensors"
+    )
+    written = load_file(target / "adapter_model.safetensors")
+    assert torch.equal(written["whole"], base) and torch.equal(written["alias"], base.view(2, 3))
+
+
+def test_host_staging_buffers_follow_a_changed_shape_or_dtype():
+    staging = HostStaging()
+    first = staging._buffer("x", (2,), torch.float32)
+    assert staging._buffer("x", (2,), torch.float32) is first  # reused from one write to the next
+    assert staging._buffer("x", (3,), torch.float32) is not first
+    assert staging._buffer("x", (3,), torch.bfloat16).dtype == torch.bfloat16

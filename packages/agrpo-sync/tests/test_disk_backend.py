@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from agrpo_attention.testing import TinyModelSpec, save_tiny_model
+from agrpo_rollout.testing import VLLMServer
 from agrpo_sync import ManifestMismatchError, ServerControl, TransferFailedError, WeightSync, WeightSyncConfig
-from tools.dev_server import VLLMServer
-from tools.tiny_models import TinyModelSpec, save_tiny_model
 
 pytestmark = [pytest.mark.server, pytest.mark.usefixtures("restore_server")]
 TOLERANCE = 1e-4

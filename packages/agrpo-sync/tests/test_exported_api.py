@@ -16,6 +16,7 @@ EXPORTED = [
     "ServerControl",
     "ServerInfo",
     "ServerRequestError",
+    "ServerUnreachableError",
     "SyncBackend",
     "SyncSetupError",
     "SyncTimings",

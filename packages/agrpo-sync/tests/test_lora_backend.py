@@ -20,7 +20,7 @@ from agrpo_sync import (
     WeightSyncConfig,
     adapter_name,
 )
-from agrpo_sync._lora_backend import adapter_problems, restart_command
+from agrpo_sync._lora_limits import adapter_problems, restart_command
 
 pytestmark = [pytest.mark.server, pytest.mark.usefixtures("restore_server")]
 NAME = "agrpo-test-policy"
@@ -51,6 +51,10 @@ def test_adapter_versions_serve_within_the_window_and_leave_it(
         perturb(model, version, skip="", only="lora_", scale=0.1)
         timings = sync.sync(model, version)
         assert timings.pause_s < 0.05  # adapter loads need no pause
+        parts = sync.backend.last_send  # where the send's time went: each part measured, inside the sync
+        split = [parts.copy_s, parts.write_s, parts.load_s, parts.retire_s]
+        assert min(split) >= 0 and parts.write_s > 0 and parts.load_s > 0
+        assert sum(split) <= timings.weight_sync_s
         name = sync.served_model(version)
         assert name == adapter_name(NAME, version)
         served[version] = logprobs.server(name)

@@ -16,6 +16,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
+from agrpo_attention.testing import TinyModelSpec, build_model, build_tokenizer
 from agrpo_sync import (
     ManifestMismatchError,
     ServerControl,
@@ -26,7 +27,6 @@ from agrpo_sync import (
     WeightSyncError,
 )
 from agrpo_sync._start_checks import choose_backend, has_tied_embedding
-from tools.tiny_models import TinyModelSpec, build_model, build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[3]
 RANK_SCRIPT = Path(__file__).with_name("fsdp_sync_rank.py")
@@ -49,14 +49,19 @@ def _config(**overrides) -> WeightSyncConfig:
 def test_backend_choice_for_plain_and_lora_models(tiny_model):
     plain = tiny_model()
     peft = get_peft_model(tiny_model(), LoraConfig(r=8, target_modules=["q_proj"]))
-    assert choose_backend(_config(), plain, _info()) == "nccl"
-    assert choose_backend(_config(backend="disk"), plain, _info()) == "disk"
-    assert choose_backend(_config(), peft, _info()) == "lora"
-    assert choose_backend(_config(lora_sync="merged"), peft, _info()) == "nccl"
-    assert choose_backend(_config(), peft, _info(lora_enabled=False)) == "nccl"  # auto falls back to merged
-    assert choose_backend(_config(), peft, _info(data_parallel_size=2)) == "nccl"
+    assert choose_backend(_config(), plain, [_info()]) == "nccl"
+    assert choose_backend(_config(backend="disk"), plain, [_info()]) == "disk"
+    assert choose_backend(_config(), peft, [_info()]) == "lora"
+    assert choose_backend(_config(lora_sync="merged"), peft, [_info()]) == "nccl"
+    assert choose_backend(_config(), peft, [_info(lora_enabled=False)]) == "nccl"  # auto falls back to merged
+    assert choose_backend(_config(), peft, [_info(data_parallel_size=2)]) == "nccl"
     with pytest.raises(SyncSetupError, match="--max-loras 4"):
-        choose_backend(_config(lora_sync="adapter"), peft, _info(max_loras=3))
+        choose_backend(_config(lora_sync="adapter"), peft, [_info(max_loras=3)])
+    # several servers take one backend: one that cannot serve adapters makes them all take merged weights
+    assert choose_backend(_config(), peft, [_info(), _info()]) == "lora"
+    assert choose_backend(_config(), peft, [_info(), _info(lora_enabled=False)]) == "nccl"
+    with pytest.raises(SyncSetupError, match="--enable-lora"):
+        choose_backend(_config(lora_sync="adapter"), peft, [_info(), _info(lora_enabled=False)])
 
 
 def _free_port() -> int:
@@ -174,7 +179,7 @@ def test_a_tied_embedding_on_a_cpu_server_is_warned_about_at_start(vllm_server, 
 
 
 def test_versions_that_cannot_name_a_directory_are_refused():
-    sync = WeightSync(config=_config(), backend_name="disk", backend=None, control=None, rank=0, world_size=1)
+    sync = WeightSync(config=_config(), backend_name="disk", backend=None, controls=[], rank=0, world_size=1)
     for version in (-1, "../x", 1.5, True):
         with pytest.raises(ValueError, match="version="):
             sync.sync(None, version)

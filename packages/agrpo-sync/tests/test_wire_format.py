@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from agrpo_attention.testing import TinyModelSpec, build_model, build_tokenizer
+from agrpo_rollout.testing import ensure_vllm_env
 from agrpo_sync import (
     ParamStream,
     TensorMeta,
@@ -20,8 +22,6 @@ from agrpo_sync import (
 )
 from agrpo_sync._param_stream import plain_entries
 from agrpo_sync._wire_format import chunk_tensors
-from tools.dev_server import ensure_vllm_env
-from tools.tiny_models import TinyModelSpec, build_model, build_tokenizer
 
 PROBE = Path(__file__).with_name("vllm_packing_probe.py")
 

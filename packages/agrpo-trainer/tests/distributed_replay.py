@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from rollout_doubles import ReplayTrainer, fixed_samples
 
+from agrpo_attention.testing import TinyModelSpec, build_model, build_tokenizer
 from agrpo_trainer import AsyncGRPOConfig
-from tools.tiny_models import TinyModelSpec, build_model, build_tokenizer
 
 
 def checkpoint_dtypes(output_dir: str) -> dict:

@@ -7,6 +7,10 @@
 - `ReplayTrainer`: `AsyncGRPOTrainer` reading a `ReplaySource` and pushing no weights.
 - Faults the real rollout process must survive or report: a reward that raises, a loop that blocks its
   event loop (no heartbeat).
+- `ToolCallingLoop` and `Counter`: a random tiny model never writes a well-formed tool call, so this loop
+  samples a few real tokens per turn and appends the call a tool-using model would make (context only, not
+  trained); `Counter` is the environment whose `increment` tool it calls. They make a real run log the
+  `tools/` and `env/` metrics.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from agrpo_attention import enable_tree_attention, token_logprobs
 from agrpo_packing import TreeRow
 from agrpo_packing.testing import GroupShape, random_grpo_groups
 from agrpo_rollout import AsyncRolloutLoop, GroupOutcome, RolloutSample
+from agrpo_rollout.testing import scripted_turn
 from agrpo_trainer import AsyncGRPOTrainer
 
 
@@ -142,3 +147,40 @@ class EnvironmentReportingLoop(AsyncRolloutLoop):
 def rank_reward(completions, **columns) -> list[float]:
     """Rewards by position in the group: every group has spread, so none is dropped (exact prompt accounting)."""
     return [i / len(completions) for i in range(len(completions))]
+
+
+class Counter:
+    """An environment: `reset` starts a counter, the model's tool `increment` adds to it, `get_reward` reads it."""
+
+    def reset(self, **row):
+        self.value = 4
+        return "The counter starts at 4."
+
+    def increment(self, step: int) -> int:
+        """Add to the counter.
+
+        Args:
+            step: How much to add.
+        """
+        self.value += step
+        return self.value
+
+    def get_reward(self):
+        return float(self.value)
+
+
+class ToolCallingLoop(AsyncRolloutLoop):
+    """First turn: up to 3 real sampled tokens (those that read as letters, digits or spaces, so the script
+    parses the same whatever was sampled), then a scripted `increment` call; later turns: real tokens only."""
+
+    script = '<tool_call>\n{"name": "increment", "arguments": {"step": 3}}\n</tool_call>'
+
+    async def generate_one_turn(self, prompt_ids, max_tokens=None):
+        real = await super().generate_one_turn(prompt_ids, max_tokens=min(3, max_tokens or 3))
+        if self.tokenizer.convert_tokens_to_ids("<tool_response>") in prompt_ids:
+            return real
+        return scripted_turn(self.tokenizer, real, self.script)
+
+
+class ToolCallingTrainer(AsyncGRPOTrainer):
+    loop_cls = ToolCallingLoop

@@ -64,6 +64,8 @@ AGRPO_FIELDS = {
     "attention_backend": "auto",
     "sync_parity_probe_tokens": 64,
     "sync_parity_threshold": 0.5,
+    "tool_timeout_s": 300.0,
+    "device_peak_flops": None,
 }
 
 
@@ -166,3 +168,27 @@ def test_config_subclasses_add_fields_the_loop_can_read(tmp_path):
 
     config = CurriculumConfig(output_dir=str(tmp_path))
     assert config.pass_rate_cap == 0.9 and config.num_generations == 8
+
+
+def test_several_servers_come_as_a_list_from_python_a_flag_or_a_config_file(tmp_path):
+    from agrpo_trainer._cli import parse_train_args
+
+    urls = ["http://127.0.0.1:8001", "http://127.0.0.1:8002/"]
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), vllm_server_base_url=urls)
+    assert args.server_urls == ("http://127.0.0.1:8001", "http://127.0.0.1:8002")
+    assert args.rollout_config(num_processes=1).server_urls == args.server_urls
+    assert args.sync_config().server_urls == args.server_urls
+    assert AsyncGRPOConfig(output_dir=str(tmp_path)).server_urls == ("http://localhost:8000",)
+    common = ["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", str(tmp_path)]
+    _, parsed = parse_train_args([*common, "--vllm_server_base_url", *urls])
+    assert parsed.server_urls == args.server_urls
+    _, one = parse_train_args([*common, "--vllm_server_base_url", urls[0]])
+    assert one.server_urls == (urls[0],)
+    config = tmp_path / "run.yaml"
+    config.write_text(f"output_dir: {tmp_path}\nvllm_server_base_url: [{urls[0]}, {urls[1]}]\n")
+    _, from_file = parse_train_args([str(config), "--model_name_or_path", "m", "--dataset_name", "d"])
+    assert from_file.server_urls == args.server_urls
+    with pytest.raises(ValueError, match="names a server twice"):
+        AsyncGRPOConfig(output_dir=str(tmp_path), vllm_server_base_url=[urls[0], urls[0]])
+    with pytest.raises(ValueError, match="ends in /v1"):
+        AsyncGRPOConfig(output_dir=str(tmp_path), vllm_server_base_url=[urls[0], "http://h:8000/v1"])

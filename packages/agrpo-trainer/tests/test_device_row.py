@@ -1,21 +1,20 @@
-"""Rows prepared ahead on the worker thread (`RowPrefetcher`) are exactly the rows prepared in the trainer's
-thread, train to bit-identical losses and gradients, and an error on the worker reaches the trainer."""
+"""Rows prepared with pinned, non-blocking copies and a prebuilt plan (`prepare_device_row`, the trainer's
+path) train to bit-identical losses and gradients as rows whose plan `token_scores` builds itself."""
 
 from __future__ import annotations
 
 import dataclasses
-import threading
 
 import pytest
 import torch
 from rollout_doubles import fixed_samples
 
 from agrpo_attention import enable_tree_attention
+from agrpo_attention.testing import TinyModelSpec, build_model, build_tokenizer
 from agrpo_packing import PackSample, TreeRow
-from agrpo_trainer._device_row import DeviceRow, RowPrefetcher, prepare_device_row
+from agrpo_trainer._device_row import DeviceRow, prepare_device_row
 from agrpo_trainer._loss import LossSettings
 from agrpo_trainer._step import StepSettings, micro_batch_loss
-from tools.tiny_models import TinyModelSpec, build_model, build_tokenizer
 
 SETTINGS = StepSettings(
     loss=LossSettings(epsilon=0.2, epsilon_high=0.28, is_clip_min=0.5, is_clip_max=5.0, score_centering=True),
@@ -25,8 +24,8 @@ SETTINGS = StepSettings(
 )
 
 
-@pytest.fixture(scope="module")
-def model_and_rows():
+def tiny_model_and_rows():
+    """A tiny tree-enabled model and four rows of it, the last without loss terms."""
     model = build_model(TinyModelSpec(seed=3), build_tokenizer())
     samples = [PackSample(**s.pack_fields()) for s in fixed_samples(model, num_prompts=4, seed=1)]
     enable_tree_attention(model, "reference")
@@ -36,6 +35,11 @@ def model_and_rows():
         row.extend(part)
         rows.append(row.pack())
     return model, rows
+
+
+@pytest.fixture(scope="module")
+def model_and_rows():
+    return tiny_model_and_rows()
 
 
 def _assert_same(a, b, where: str) -> None:
@@ -65,72 +69,13 @@ def _train(model, prepared: list[DeviceRow]) -> tuple[list[torch.Tensor], torch.
     return losses, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
 
-def test_prefetched_rows_equal_sequential_ones_and_train_bit_identically(model_and_rows):
+def test_prepared_rows_train_bit_identically_to_rows_planned_inside_token_scores(model_and_rows):
     model, rows = model_and_rows
-    sequential = [prepare_device_row(row, model) for row in rows]
-    prefetcher = RowPrefetcher(lambda row: prepare_device_row(row, model), "cpu", lookahead=1)
-    try:
-        for _ in range(2):  # two steps through one prefetcher
-            prefetcher.begin(rows)
-            prefetched = [prefetcher.take(i) for i in range(len(rows))]
-            _assert_same(prefetched, sequential, "rows")
-    finally:
-        prefetcher.close()
-    assert sequential[-1].plan is None and sequential[0].plan is not None
-    seq_losses, seq_grad = _train(model, sequential)
-    pre_losses, pre_grad = _train(model, prefetched)
-    plain_losses, plain_grad = _train(
-        model, [DeviceRow(row=row, plan=None) for row in rows]
-    )  # plan built inside
-    assert seq_grad.abs().max() > 0
-    for other_losses, other_grad in ((pre_losses, pre_grad), (plain_losses, plain_grad)):
-        assert all(torch.equal(a, b) for a, b in zip(seq_losses, other_losses, strict=True))
-        assert torch.equal(seq_grad, other_grad)
-
-
-def test_prefetcher_works_ahead_on_its_own_thread_and_never_past_the_lookahead(model_and_rows):
-    _, rows = model_and_rows
-    started: list[int] = []
-    threads: set[str] = set()
-    release = threading.Event()
-
-    def prepare(row):
-        started.append(next(i for i, r in enumerate(rows) if r is row))
-        threads.add(threading.current_thread().name)
-        release.wait(5.0)
-        return DeviceRow(row=row, plan=None)
-
-    prefetcher = RowPrefetcher(prepare, "cpu", lookahead=1)
-    try:
-        prefetcher.begin(rows)
-        release.set()
-        assert prefetcher.take(0).row is rows[0]
-        prefetcher._futures[1].result(5.0)
-        assert started == [0, 1]  # row 1 prepared while row 0 is in use, row 2 not yet
-        assert all(prefetcher.take(i).row is rows[i] for i in range(1, len(rows)))
-    finally:
-        prefetcher.close()
-    assert (
-        threads == {t for t in threads if t.startswith("agrpo-rows")}
-        and threading.current_thread().name not in threads
-    )
-
-
-def test_an_error_on_the_worker_is_raised_by_take_of_that_row(model_and_rows):
-    _, rows = model_and_rows
-
-    def prepare(row):
-        if row is rows[1]:
-            raise ValueError("bad row 1")
-        return DeviceRow(row=row, plan=None)
-
-    prefetcher = RowPrefetcher(prepare, "cpu")
-    try:
-        prefetcher.begin(rows)
-        assert prefetcher.take(0).row is rows[0]
-        with pytest.raises(ValueError, match="bad row 1"):
-            prefetcher.take(1)
-        with pytest.raises(IndexError, match="call begin"):
-            prefetcher.take(len(rows))
-    finally:
-        prefetcher.close()
+    prepared = [prepare_device_row(row, model) for row in rows]
+    _assert_same(prepared, [prepare_device_row(row, model) for row in rows], "rows")  # deterministic
+    assert prepared[-1].plan is None and prepared[0].plan is not None  # no plan for a row without loss terms
+    losses, grad = _train(model, prepared)
+    plain_losses, plain_grad = _train(model, [DeviceRow(row=row, plan=None) for row in rows])
+    assert grad.abs().max() > 0
+    assert all(torch.equal(a, b) for a, b in zip(losses, plain_losses, strict=True))
+    assert torch.equal(grad, plain_grad)

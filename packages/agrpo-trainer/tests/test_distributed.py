@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tools.dev_server import free_port
+from agrpo_rollout.testing import free_port
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
@@ -44,7 +44,7 @@ def one_rank(tmp_path_factory) -> dict:
 def test_two_gloo_ranks_end_on_the_weights_of_one(one_rank, tmp_path):
     two = _run(tmp_path / "weights.pt", ranks=2, fsdp=False)
     assert two["world"] == 2
-    from tools.tiny_models import TinyModelSpec, build_model, build_tokenizer
+    from agrpo_attention.testing import TinyModelSpec, build_model, build_tokenizer
 
     initial = build_model(TinyModelSpec(seed=7, tie_word_embeddings=False), build_tokenizer()).state_dict()
     moved = max((one_rank["weights"][k] - initial[k]).abs().max().item() for k in initial)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from rollout_doubles import ReplayTrainer, fixed_samples
 
+from agrpo_attention.testing import TinyModelSpec, build_model, build_tokenizer
 from agrpo_trainer import AsyncGRPOConfig
-from tools.tiny_models import TinyModelSpec, build_model, build_tokenizer
 
 
 @pytest.fixture(scope="module")

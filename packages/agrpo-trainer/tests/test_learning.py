@@ -1,6 +1,6 @@
-"""It learns, for real, on this CPU machine: the main job's setup (`tools/demo.py`) against the real CPU vLLM
+"""It learns, for real, on this CPU machine: the main job's setup (`agrpo-trainer demo`) against the real CPU vLLM
 server with disk weight sync. A tiny random model learns to write digits; after every sync the server scores
-the parity probe exactly as the trainer does; train() leaves no process behind and writes its summary."""
+the parity probe exactly as the trainer does; train() leaves no process behind and writes its report."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import statistics
 import psutil
 import pytest
 import torch
+from report_reader import read_curves
 
-from tools.demo import run_demo
+from agrpo_trainer._demo import run_demo
 
 STEPS = 40
 
@@ -40,5 +41,5 @@ def test_a_tiny_model_learns_against_the_real_server_and_every_sync_lands(
     )  # one push per optimizer step (the first push, at train begin, logs with step 1)
     assert max(gaps) < 1e-4, f"the server's log-probs left the trainer's after a sync: {max(gaps):.2e}"
     assert all(h.get("sample/staleness_max", 0) <= 2 for h in history)
-    assert (tmp_path / "run" / "summary.png").stat().st_size > 10_000
+    assert read_curves(tmp_path / "run" / "report.html")["reward_trained"][1] == rewards
     assert {p.pid for p in psutil.Process().children(recursive=True)} == before

@@ -9,10 +9,10 @@ import time
 import pytest
 from rollout_doubles import ReplaySource, fixed_samples
 
+from agrpo_attention.testing import TinyModelSpec, build_model, build_tokenizer
 from agrpo_packing import PackingConfig
 from agrpo_trainer._micro_batch_stream import MicroBatchStream
 from agrpo_trainer._prompt_ledger import PromptLedger
-from tools.tiny_models import TinyModelSpec, build_model, build_tokenizer
 
 
 @pytest.fixture(scope="module")

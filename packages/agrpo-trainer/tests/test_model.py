@@ -9,9 +9,9 @@ from peft import LoraConfig
 from rollout_doubles import ReplayTrainer, fixed_samples
 from transformers import AutoModelForCausalLM, Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
+from agrpo_attention.testing import TinyModelSpec, build_model, build_tokenizer
 from agrpo_sync import WeightSync, WeightSyncConfig
 from agrpo_trainer import AsyncGRPOConfig
-from tools.tiny_models import TinyModelSpec, build_model, build_tokenizer
 
 
 def _args(tmp_path, **overrides) -> AsyncGRPOConfig:

@@ -10,12 +10,12 @@ import torch
 from rollout_doubles import fixed_samples
 
 from agrpo_attention import enable_tree_attention
+from agrpo_attention.testing import TinyModelSpec, build_model, build_tokenizer
 from agrpo_packing import PackSample, TreeRow
 from agrpo_trainer import ModelSetupError
 from agrpo_trainer._loss import LossSettings
 from agrpo_trainer._model import router_aux_loss_coef
 from agrpo_trainer._step import StepSettings, micro_batch_loss
-from tools.tiny_models import TinyModelSpec, build_model, build_tokenizer
 
 CLOSE = {"rtol": 1e-5, "atol": 1e-7}
 SETTINGS = StepSettings(

@@ -22,7 +22,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from agrpo_rollout import AsyncRolloutLoop, RolloutConfig
-from tools.dev_server import VLLMServer
+from agrpo_rollout.testing import VLLMServer
 
 
 @dataclass(kw_only=True, slots=True)

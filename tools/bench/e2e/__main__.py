@@ -30,10 +30,10 @@ import psutil
 import torch
 from transformers.trainer_callback import PrinterCallback, TrainerCallback
 
+from agrpo_attention.testing import TinyModelSpec, save_tiny_model
+from agrpo_rollout.testing import VLLMServer
 from agrpo_trainer.rewards import CharacterFractionReward
 from tools.bench.e2e.lockstep import LockstepConfig, LockstepTrainer
-from tools.dev_server import VLLMServer
-from tools.tiny_models import TinyModelSpec, save_tiny_model
 
 GENERATION_CORE, TRAINING_CORE = 0, 1
 PROMPTS = [

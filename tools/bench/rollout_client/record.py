@@ -50,8 +50,8 @@ def main() -> None:
     if args.base_url:
         record(args.base_url.rstrip("/"), args.model)
         return
-    from tools.dev_server import VLLMServer
-    from tools.tiny_models import save_tiny_model
+    from agrpo_attention.testing import save_tiny_model
+    from agrpo_rollout.testing import VLLMServer
 
     with VLLMServer(model_dir=save_tiny_model(Path(tempfile.mkdtemp(prefix="agrpo-bench-")))) as server:
         record(server.url, server.model_name)

@@ -8,11 +8,12 @@ padding-free rows and trained for `--steps` timed optimizer steps after one warm
 trained tokens/s, MFU (FLOP model of `tools/bench/tree_attention/measure.py`: 6 x tokens x layer weights
 + LM head on loss terms + flash-attention pairs, recompute not counted, peak 989 TFLOP/s), peak memory,
 the split of step time, tree/plain MFU, and (with `--idle`) the GPU's idle share of a step, profiled
-once with rows prefetched as the trainer does and once sequentially (the path before the prefetch, also
+once with rows prepared inline as the trainer does and once sequentially (pageable copies, also
 timed). Precision `amp` is the trainer's default (fp32 master weights under bf16 autocast); `bf16` has bf16
 parameters. `--head unfused` turns the fused LM head off (the model's (M, V) logits, then the chunked
 log-softmax) to measure what fusing costs or saves. Hybrid shapes also print the seconds of the Gated
-DeltaNet recurrence alone in the step (`delta_rule.py`).
+DeltaNet recurrence alone in the step (`delta_rule.py`). Several GPUs with FSDP2, next to one GPU, with the
+loss curve and a weight sync from the sharded model: `python -m tools.bench.train_step.fsdp` (`fsdp.py`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ from .step import StepTimes, gpu_idle_profile, plan_rows, timed_step
 
 def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="qwen3-1.7b", help=f"comma list of {sorted(SHAPES)} (tiny-* with --tiny)")
+    parser.add_argument(
+        "--models", default="qwen3-1.7b", help=f"comma list of {sorted(SHAPES)} (tiny-* with --tiny)"
+    )
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's own)")
     parser.add_argument("--ratios", default="1,3.4,8", help="target packing ratios")
     parser.add_argument("--prompts", type=int, default=16, help="groups per step")
@@ -44,9 +47,14 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--precision", default="amp", choices=["amp", "bf16"])
     parser.add_argument("--backend", default="auto", help="agrpo-attention backend")
     parser.add_argument("--steps", type=int, default=2, help="timed optimizer steps (median) after a warm-up")
-    parser.add_argument("--idle", action="store_true",
-                        help="profile one step for the GPU's idle share, prefetched and sequential")
-    parser.add_argument("--host-ops", action="store_true", help="with --idle: the host ops behind long GPU gaps")
+    parser.add_argument(
+        "--idle",
+        action="store_true",
+        help="profile one step for the GPU's idle share, inline and sequential rows",
+    )
+    parser.add_argument(
+        "--host-ops", action="store_true", help="with --idle: the host ops behind long GPU gaps"
+    )
     parser.add_argument("--head", default="fused", choices=["fused", "unfused"], help="LM head + log-softmax")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json", default=None, help="write all measurements here")
@@ -83,12 +91,17 @@ def _measure(model, optimizer, rows, args, checkpointing: bool) -> dict:
         "mfu": flops / median.total_s / (PEAK_TFLOPS * 1e12), **{k: getattr(median, k) for k in StepTimes.__slots__},
     }  # fmt: skip
     if args.idle and args.device == "cuda":
-        for key, prefetch in (("", True), ("_sequential", False)):
-            idle = gpu_idle_profile(lambda p=prefetch: timed_step(model, optimizer, rows, amp=amp, prefetch=p))
-            out |= {f"gpu_idle_frac{key}": idle["idle_frac"], f"gpu_long_gap_frac{key}": idle["long_gap_frac"]}
-        out["seconds_sequential"] = timed_step(model, optimizer, rows, amp=amp, prefetch=False).total_s
+        for key, path in (("", "inline"), ("_sequential", "sequential")):
+            idle = gpu_idle_profile(lambda p=path: timed_step(model, optimizer, rows, amp=amp, path=p))
+            out |= {
+                f"gpu_idle_frac{key}": idle["idle_frac"],
+                f"gpu_long_gap_frac{key}": idle["long_gap_frac"],
+            }
+        out["seconds_sequential"] = timed_step(model, optimizer, rows, amp=amp, path="sequential").total_s
         if args.host_ops:
-            out["host_ops"] = gpu_idle_profile(lambda: timed_step(model, optimizer, rows, amp=amp), host_ops=True)
+            out["host_ops"] = gpu_idle_profile(
+                lambda: timed_step(model, optimizer, rows, amp=amp), host_ops=True
+            )
     if getattr(model.config, "layer_types", None) and "linear_attention" in model.config.layer_types:
         out.update(delta_rule_seconds(model, rows, checkpointing=checkpointing))
     return out
@@ -134,11 +147,16 @@ def main() -> None:
                     start = time.perf_counter()
                     rows = plan_rows(samples, args.budget, share_prefixes=share)
                     plan_s = time.perf_counter() - start
-                    pair[label] = {**_measure(model, optimizer, rows, args, checkpointing == "on"), "plan_s": plan_s}
+                    pair[label] = {
+                        **_measure(model, optimizer, rows, args, checkpointing == "on"),
+                        "plan_s": plan_s,
+                    }
                 measured = pair["tree"]["forwarded_tokens"] and (
                     pair["plain"]["forwarded_tokens"] / pair["tree"]["forwarded_tokens"]
                 )
-                print(f"{name}  checkpointing {checkpointing}  target ratio {ratio}  measured ratio {measured:.2f}")
+                print(
+                    f"{name}  checkpointing {checkpointing}  target ratio {ratio}  measured ratio {measured:.2f}"
+                )
                 for label in ("tree", "plain"):
                     _print_row(label, pair[label])
                 mfu_ratio = pair["tree"]["mfu"] / pair["plain"]["mfu"]

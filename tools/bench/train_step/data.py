@@ -24,7 +24,9 @@ TINY_SHAPES: dict[float, tuple[int, tuple[int, int], tuple[int, int]]] = {
 }
 
 
-def grpo_samples(ratio: float, *, num_prompts: int, vocab: int, tiny: bool = False, seed: int = 0) -> list[PackSample]:
+def grpo_samples(
+    ratio: float, *, num_prompts: int, vocab: int, tiny: bool = False, seed: int = 0
+) -> list[PackSample]:
     """`num_prompts` whole groups of the ratio's shape (single-turn), with sampler top-8 log-probs."""
     shapes = TINY_SHAPES if tiny else RATIO_SHAPES
     rollouts, prompt, completion = shapes[ratio]

@@ -5,10 +5,9 @@ packing thread does) and `timed_step`: for every row `agrpo_trainer._step.micro_
 attention, gathered log-probs and the sampler top-K of score centering, `grpo_loss`) and its backward,
 then the optimizer step, exactly the calls the trainer makes. Time is split with CUDA events (wall clock
 on CPU): forward up to the LM head, LM head + log-probs + loss, backward (with the recompute when
-gradient checkpointing is on), optimizer. Rows reach the device as the trainer's do: `prefetch=True`
-prepares each row and its tree plan one micro-batch ahead on the trainer's `RowPrefetcher` (pinned,
-non-blocking copies); `prefetch=False` is the sequential path before it (`row.to(device)` from pageable
-memory, the plan built inside `token_scores`), kept to measure what the overlap saves.
+gradient checkpointing is on), optimizer. Rows reach the device by one of `ROW_PATHS`: by default
+`inline`, as the trainer's do (pinned, non-blocking copies and the plan built just before the forward);
+`thread` and `sequential` are kept to measure the alternatives (`row_paths.py`).
 `gpu_idle_profile` profiles one step and returns the share of its GPU span during which no kernel ran
 (the GPU waiting for the host: planning, collation, syncs, launches), split into gaps of 1 ms or more
 and shorter ones. Does not know model shapes or reporting.
@@ -23,9 +22,11 @@ from dataclasses import dataclass
 import torch
 
 from agrpo_packing import PackedRow, PackingConfig, PackSample, Planner
-from agrpo_trainer._device_row import DeviceRow, RowPrefetcher, prepare_device_row
+from agrpo_trainer._device_row import DeviceRow, prepare_device_row
 from agrpo_trainer._loss import LossSettings
 from agrpo_trainer._step import StepSettings, micro_batch_loss
+
+from .row_prefetcher import RowPrefetcher
 
 SETTINGS = StepSettings(
     loss=LossSettings(epsilon=0.2, epsilon_high=0.2, is_clip_min=0.0, is_clip_max=3.0, score_centering=True),
@@ -36,13 +37,20 @@ SETTINGS = StepSettings(
 """The reference's loss defaults with score centering on."""
 
 
-def plan_rows(samples: list[PackSample], budget: int, *, share_prefixes: bool) -> list[PackedRow]:
-    """One packed row per micro-batch (one rank), in the planner's order."""
-    planner = Planner(PackingConfig(token_budget=budget, share_prefixes=share_prefixes))
+def plan_batches(
+    samples: list[PackSample], budget: int, *, share_prefixes: bool, num_ranks: int = 1
+) -> list[list[PackedRow]]:
+    """The step's micro-batches in the planner's order, each `num_ranks` packed rows (rank r trains row r)."""
+    planner = Planner(PackingConfig(token_budget=budget, share_prefixes=share_prefixes, num_ranks=num_ranks))
     batches = [b for sample in samples for b in planner.add(sample)]
     tail = planner.flush()
     batches += [tail] if tail is not None else []
-    return [batch.pack()[0] for batch in batches]
+    return [batch.pack() for batch in batches]
+
+
+def plan_rows(samples: list[PackSample], budget: int, *, share_prefixes: bool) -> list[PackedRow]:
+    """One packed row per micro-batch (one rank), in the planner's order."""
+    return [rows[0] for rows in plan_batches(samples, budget, share_prefixes=share_prefixes)]
 
 
 class _Clock:
@@ -72,13 +80,25 @@ class StepTimes:
     optimizer_s: float = 0.0
     total_s: float = 0.0
     peak_gib: float = 0.0
+    loss: float = 0.0
+    """This rank's step loss: the sum of its rows' scaled losses (over all ranks they sum to the token mean
+    times the world size, since gradients are averaged over ranks)."""
 
 
-def _device_rows(model, rows: list[PackedRow], prefetch: bool):
-    """What the step trains on, row by row: prefetched `DeviceRow`s, or rows copied on the spot."""
+ROW_PATHS = ("thread", "inline", "sequential")
+"""How rows reach the device: `thread` prepares the next row and its tree plan on a `RowPrefetcher`
+worker (`row_prefetcher.py`); `inline` (the trainer's) prepares each (pinned, non-blocking copies, plan built) on the calling
+thread just before its forward; `sequential` copies it from pageable memory and lets `token_scores` plan."""
+
+
+def _device_rows(model, rows: list[PackedRow], path: str):
+    """What the step trains on, row by row, by `path` (see `ROW_PATHS`)."""
     device = next(model.parameters()).device
-    if not prefetch:
+    if path == "sequential":
         yield from (DeviceRow(row=row.to(device), plan=None) for row in rows)
+        return
+    if path == "inline":
+        yield from (prepare_device_row(row, model) for row in rows)
         return
     prefetcher = RowPrefetcher(lambda row: prepare_device_row(row, model), device)
     try:
@@ -88,29 +108,35 @@ def _device_rows(model, rows: list[PackedRow], prefetch: bool):
         prefetcher.close()
 
 
-def timed_step(model, optimizer, rows: list[PackedRow], *, amp: bool, prefetch: bool = True) -> StepTimes:
-    """One optimizer step over `rows` (one micro-batch each), as the trainer runs it."""
+def timed_step(
+    model, optimizer, rows: list[PackedRow], *, amp: bool, path: str = "inline", world_size: int = 1,
+    step_tokens: int | None = None,
+) -> StepTimes:  # fmt: skip
+    """One optimizer step over `rows` (one micro-batch each), as the trainer runs it. With several ranks,
+    `rows` are this rank's and `step_tokens` the trained tokens of the whole step (all ranks)."""
     device = next(model.parameters()).device
     clock, times = _Clock(device), StepTimes()
     head_marks: list = []
     hook = model.get_output_embeddings().register_forward_pre_hook(lambda *_: head_marks.append(clock.mark()))
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if amp else contextlib.nullcontext()
-    step_tokens = sum(row.num_loss_terms for row in rows)
+    step_tokens = sum(row.num_loss_terms for row in rows) if step_tokens is None else step_tokens
+    loss_sum = torch.zeros((), device=device)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     wall = time.perf_counter()
     marks = []
     try:
-        for prepared in _device_rows(model, rows, prefetch):
+        for prepared in _device_rows(model, rows, path):
             start = clock.mark()
             with autocast:
                 loss, _ = micro_batch_loss(
-                    model, prepared.row, SETTINGS, step_trained_tokens=step_tokens, world_size=1,
+                    model, prepared.row, SETTINGS, step_trained_tokens=step_tokens, world_size=world_size,
                     micro_batches_per_step=len(rows), plan=prepared.plan,
                 )  # fmt: skip
             scored = clock.mark()
             loss.backward()
+            loss_sum += loss.detach().float()
             marks.append((start, head_marks[-1], scored, clock.mark()))
         before_optimizer = clock.mark()
         optimizer.step()
@@ -122,6 +148,7 @@ def timed_step(model, optimizer, rows: list[PackedRow], *, amp: bool, prefetch: 
         torch.cuda.synchronize()
         times.peak_gib = torch.cuda.max_memory_allocated() / 2**30
     times.total_s = time.perf_counter() - wall
+    times.loss = float(loss_sum)
     for start, head, scored, backward in marks:
         times.forward_s += clock.seconds(start, head)
         times.head_s += clock.seconds(head, scored)

@@ -7,11 +7,18 @@ vLLM) on GPU1, then:
   * raw:  the same chunk sizes broadcast from preallocated buffers (no packing, no HTTP);
   * ours: `WeightSync.sync` end to end (pause, gather, pack, broadcast, receiver copies into its weights,
           finish, resume), checked afterwards by per-tensor checksums on the receiver;
-  * lora: adapter-only sync of a rank-32 LoRA on every linear layer (write safetensors, the stub loads them).
-Does not know agrpo-sync's internals beyond its public API.
+  * lora: adapter-only sync of a rank-32 LoRA on every linear layer (write safetensors, the stub loads them
+          the way vLLM's worker does), for each file dtype and directory asked for, split into its parts
+          (the backend's `last_send`: gather + host copy, file write, the server's load, the retire of the
+          version leaving the window; the stub's own load time beside it), and the last file read back and
+          compared with the model. `--lora-staging pageable` swaps in the per-tensor pageable copy that the
+          pinned staging replaced, to measure the two side by side (one process each: the first case is cold).
+Does not know agrpo-sync's internals beyond its public API, except the LoRA backend's timing and staging.
 
 Run on two GPUs: `NCCL_NVLS_ENABLE=0 python -m tools.bench.weight_sync [--json out.json]`.
-Dry run on CPU (gloo instead of NCCL, tiny model): `uv run python -m tools.bench.weight_sync --transport gloo --model tiny`.
+Adapter only, one GPU: `python -m tools.bench.weight_sync --lora-only --single-gpu --lora-dtypes float32,bfloat16
+--lora-dirs tmp,/dev/shm`. Dry run on CPU (gloo instead of NCCL, tiny model): `uv run python -m
+tools.bench.weight_sync --transport gloo --model tiny`.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import torch
 
 from agrpo_sync import WeightSync, WeightSyncConfig, plan_chunks
 from agrpo_sync._background_call import BackgroundCall
+from agrpo_sync._checkpoint_dir import host_copy
 from agrpo_sync._nccl_transport import find_nccl_library
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -149,40 +157,104 @@ def bench_raw(args, url, transport, sizes: list[int], device: torch.device) -> d
     return {"transfer_s": statistics.median(times), "min_s": min(times)}
 
 
-def bench_lora(args, model, url, out_dir: str) -> dict:
+class PageableStaging:
+    """The adapter's host copy before pinned staging: one blocking copy into fresh pageable memory per tensor
+    (`--lora-staging pageable`, the baseline the pinned buffers are measured against)."""
+
+    def reserve(self, metas, dtype=None) -> None:
+        """Nothing is kept from one write to the next."""
+
+    def copy(self, tensors, dtype=None) -> dict:
+        return host_copy([(n, t.to(dtype) if dtype is not None else t) for n, t in tensors])
+
+
+def _lora_model(args, model):
     from peft import LoraConfig, get_peft_model
 
-    peft_model = get_peft_model(
+    return get_peft_model(
         model, LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules=LORA_TARGETS)
     )
+
+
+def _lora_case(args, peft_model, url, out_dir: str, dtype: str) -> dict:
+    """`args.iters` adapter versions through `WeightSync`, each split into its parts."""
     config = WeightSyncConfig(
-        base_url=url, output_dir=out_dir, lora_sync="adapter", max_staleness=4, transfer_dtype=args.lora_dtype
+        base_url=url, output_dir=out_dir, lora_sync="adapter", max_staleness=4, transfer_dtype=dtype
     )
     sync = WeightSync.start(config, peft_model)
-    timings = [sync.sync(peft_model, version) for version in range(1, args.iters + 1)]
+    if args.lora_staging == "pageable":
+        sync.backend._staging = PageableStaging()
+    loads_before = len(httpx.get(f"{url}/bench/lora_loads", timeout=60).json()["seconds"])
+    timings, parts = [], []
+    for version in range(1, args.iters + 1):
+        timings.append(sync.sync(peft_model, version))
+        parts.append(sync.backend.last_send)
+    file_dtype = dtype or str(sync.backend.file_dtype or "").removeprefix("torch.")
+    last_file = sync.backend.path(args.iters) / "adapter_model.safetensors"
+    file_bytes = last_file.stat().st_size
+    mismatched = _adapter_file_mismatches(sync.backend.path(args.iters), peft_model, file_dtype)
     sync.close()
-    return {
-        "rank": args.lora_rank,
-        "dtype": args.lora_dtype or "float32",
-        "bytes": timings[0].num_bytes,
-        "sync_s": statistics.median(t.weight_sync_s for t in timings),
-        "sync_max_s": max(t.weight_sync_s for t in timings),
-    }
+    server_loads = httpx.get(f"{url}/bench/lora_loads", timeout=60).json()["seconds"][loads_before:]
+    totals = [t.weight_sync_s for t in timings]
+    out = {
+        "dtype": f"{dtype or 'auto'} ({file_dtype or 'float32'} files)", "dir": out_dir, "staging": args.lora_staging, "bytes": file_bytes,
+        "sync_s": statistics.median(totals), "sync_max_s": max(totals), "first_s": totals[0],
+        "server_load_s": statistics.median(server_loads), "server_load_max_s": max(server_loads),
+        "file_matches_model": not mismatched, "mismatched": mismatched[:3],
+        "per_version_ms": [round(t * 1e3, 1) for t in totals], "server_load_ms": [round(t * 1e3, 1) for t in server_loads],
+        "write_ms": [round(p.write_s * 1e3, 1) for p in parts],
+    }  # fmt: skip
+    for field in ("copy_s", "write_s", "load_s", "retire_s"):
+        out[field] = statistics.median(getattr(p, field) for p in parts)
+        out[field.replace("_s", "_max_s")] = max(getattr(p, field) for p in parts)
+    return out
+
+
+def _adapter_file_mismatches(directory: Path, peft_model, dtype: str) -> list[str]:
+    """Names whose tensor in the last written adapter file differs from the model's (after the dtype cast)."""
+    from safetensors.torch import load_file
+
+    from agrpo_sync._lora_weights import adapter_entries
+
+    written = load_file(str(directory / "adapter_model.safetensors"))
+    cast = getattr(torch, dtype) if dtype else None
+    bad = []
+    for entry in adapter_entries(peft_model, cast):
+        expected = entry.sources[0].detach().to(entry.meta.dtype).cpu()
+        if entry.meta.name not in written or not torch.equal(written[entry.meta.name], expected):
+            bad.append(entry.meta.name)
+    return bad
+
+
+def bench_lora(args, model, url) -> list[dict]:
+    """Adapter-only sync for every `--lora-dtypes` x `--lora-dirs` case, in that order (the first is cold)."""
+    peft_model = _lora_model(args, model)
+    cases = []
+    for place in args.lora_dirs.split(","):
+        for dtype in args.lora_dtypes.split(","):
+            with tempfile.TemporaryDirectory(dir=None if place == "tmp" else place) as base:
+                cases.append(_lora_case(args, peft_model, url, base, "" if dtype == "auto" else dtype))
+    return cases
 
 
 def hardware(args, transport) -> str:
-    if args.transport == "gloo":
+    if args.transport == "gloo" or transport is None:
+        if torch.cuda.is_available():
+            return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
         return f"CPU only ({platform.machine()}, {os.cpu_count()} cores), gloo stand-in for NCCL, torch {torch.__version__}"
     names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     version = transport.library.version()
     return f"{len(names)}x {names[0]}, torch {torch.__version__}, NCCL {version} ({find_nccl_library(transport.library_path)})"
 
 
-def report(results: dict) -> None:
-    ours, raw, lora = results["ours"], results["raw"], results.get("lora")
+def _ms(case: dict, part: str) -> str:
+    return f"{case[part + '_s'] * 1e3:.0f}/{case[part + '_max_s'] * 1e3:.0f}"
+
+
+def _full_lines(results: dict) -> list[str]:
+    ours, raw = results["ours"], results["raw"]
     gb = ours["bytes"] / 1e9
-    lines = [
-        f"hardware: {results['hardware']}",
+    return [
         f"state dict: {results['model']} shapes, bf16, {gb:.2f} GB in {ours['chunks']} packed chunks "
         f"(buffer {results['buffer_mib']} MiB, {results['num_buffers']} in flight), {results['iters']} timed syncs",
         f"raw NCCL broadcast, same chunks:   {raw['transfer_s'] * 1e3:8.1f} ms  ({gb / raw['transfer_s']:6.0f} GB/s)",
@@ -193,15 +265,24 @@ def report(results: dict) -> None:
         f"barrier {ours['barrier_s'] * 1e3:.2f} ms",
         f"receiver checksums match the sender: {ours['checksums_match']} {ours['mismatched'] or ''}",
     ]
-    if lora:
+
+
+def report(results: dict) -> None:
+    lines = [f"hardware: {results['hardware']}"] + (_full_lines(results) if results.get("ours") else [])
+    for case in results.get("lora") or []:
         lines.append(
-            f"LoRA r={lora['rank']} adapter sync (all linear layers, {lora['dtype']}, {lora['bytes'] / 1e6:.0f} MB): median "
-            f"{lora['sync_s'] * 1e3:.0f} ms, max {lora['sync_max_s'] * 1e3:.0f} ms"
+            f"LoRA r={results['lora_rank']} adapter sync, {case['dtype']} ({case['bytes'] / 1e6:.0f} MB), "
+            f"{case['staging']} staging, files under {case['dir']}: median {case['sync_s'] * 1e3:.0f} ms, max "
+            f"{case['sync_max_s'] * 1e3:.0f} ms (first {case['first_s'] * 1e3:.0f} ms); parts median/max ms: copy "
+            f"{_ms(case, 'copy')}, write {_ms(case, 'write')}, load {_ms(case, 'load')} (the stub's own load "
+            f"{_ms(case, 'server_load')}), retire {_ms(case, 'retire')}; file matches the model: "
+            f"{case['file_matches_model']}\n    per version ms: {case['per_version_ms']}\n    of which the stub's load: "
+            f"{case['server_load_ms']}\n    and the write: {case['write_ms']}"
         )
     print("\n".join(lines), flush=True)
 
 
-def main() -> None:
+def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="agrpo-sync NCCL weight sync vs a raw NCCL broadcast.")
     parser.add_argument("--transport", choices=["nccl", "gloo"], default="nccl")
     parser.add_argument("--model", choices=sorted(SHAPES), default="qwen3-4b")
@@ -209,29 +290,43 @@ def main() -> None:
     parser.add_argument("--buffer-mib", type=int, default=1024, help="packed_buffer_size_bytes, in MiB")
     parser.add_argument("--num-buffers", type=int, default=2)
     parser.add_argument("--lora-rank", type=int, default=32, help="0 skips the adapter benchmark")
+    parser.add_argument("--lora-only", action="store_true", help="skip the full-weight sync (no NCCL group)")
     parser.add_argument(
-        "--lora-dtype", default="", help="adapter file dtype (transfer_dtype); empty: as PEFT keeps it (float32)"
+        "--lora-dtypes", default="auto",
+        help="comma list of transfer_dtype values: auto (transfer_dtype='', files in the server's dtype), "
+        "float32 (what PEFT keeps), bfloat16",
+    )  # fmt: skip
+    parser.add_argument(
+        "--lora-dirs", default="tmp", help="comma list: tmp (a temporary dir) and/or parent dirs"
     )
+    parser.add_argument("--lora-staging", choices=["pinned", "pageable"], default="pinned",
+                        help="pinned: agrpo-sync's reused pinned buffers; pageable: the per-tensor copy before them")  # fmt: skip
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument(
         "--single-gpu", action="store_true",
         help="one GPU: the stub joins no NCCL group (world size 1), so this measures agrpo-sync's own overhead "
         "(HTTP, packing, streams) around a broadcast that moves nothing",
     )  # fmt: skip
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = _arguments()
     device = torch.device("cuda", 0) if args.transport == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     process, url = start_stub(args)
     try:
         model = build_model(args.model, device)
-        transport = sender_transport(args)
+        transport = None if args.lora_only else sender_transport(args)
+        ours = raw = lora = None
         with tempfile.TemporaryDirectory() as out_dir:
-            ours, sizes = bench_ours(args, model, url, transport, out_dir)
-            raw = bench_raw(args, url, transport, sizes, device)
-            lora = bench_lora(args, model, url, out_dir) if args.lora_rank else None
+            if not args.lora_only:
+                ours, sizes = bench_ours(args, model, url, transport, out_dir)
+                raw = bench_raw(args, url, transport, sizes, device)
+            lora = bench_lora(args, model, url) if args.lora_rank else None
         results = {
-            "hardware": hardware(args, transport), "model": args.model, "iters": args.iters,
+            "hardware": hardware(args, transport), "model": args.model, "iters": args.iters, "lora_rank": args.lora_rank,
             "buffer_mib": args.buffer_mib, "num_buffers": args.num_buffers, "ours": ours, "raw": raw, "lora": lora,
         }  # fmt: skip
         report(results)

@@ -33,9 +33,15 @@ class GlooTransport:
         self._group = None
 
     def new_unique_id(self) -> bytes:
+        listener = socket.socket(
+            socket.AF_INET, socket.SOCK_STREAM
+        )  # TCPStore alone listens on every interface
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(128)
         self._store = dist.TCPStore(
-            "127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=False, timeout=self.timeout
-        )
+            "127.0.0.1", listener.getsockname()[1], is_master=True, wait_for_workers=False, use_libuv=False,
+            timeout=self.timeout, master_listen_fd=listener.detach(),
+        )  # fmt: skip
         packed = struct.pack(_LAYOUT, MAGIC, socket.inet_aton("127.0.0.1"), self._store.port, os.urandom(16))
         return packed.ljust(128, b"\0")
 
@@ -49,9 +55,12 @@ class GlooTransport:
                 socket.inet_ntoa(host), port, is_master=False, use_libuv=False, timeout=self.timeout
             )
             self._store = store
-        self._group = dist.ProcessGroupGloo(
-            dist.PrefixStore(prefix.hex(), store), rank, world_size, self.timeout
-        )
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [
+            dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
+        ]  # pairs on loopback too
+        options._timeout = self.timeout
+        self._group = dist.ProcessGroupGloo(dist.PrefixStore(prefix.hex(), store), rank, world_size, options)
         self.barrier()
 
     def barrier(self) -> None:

@@ -6,8 +6,12 @@ Owns an HTTP server (stdlib) answering the routes agrpo-sync calls (`/get_world_
 payload's keys and base64 unique id are validated like `NCCLWeightTransferInitInfo`; start/update/finish
 must come in that order; packed chunks are received by re-deriving their boundaries from the metadata
 with the worker's loop (written here independently of agrpo-sync's planner) and "loaded" by copying
-into per-name tensors. Fault knobs make it fail the way a real worker can. Does not run a model: it
-stands in only where a real server cannot (NCCL needs a GPU server; the GPU machine has no vLLM).
+into per-name tensors. LoRA adapters are loaded with the steps of vLLM 0.32's worker
+(`LoRAModel.from_local_checkpoint` with device "cpu", then activation into GPU slots): every tensor read on
+the host, cast to the served dtype, pinned (on a GPU machine), then copied to the device; the seconds each
+load took are kept for the benchmark (`/bench/lora_loads`). Fault knobs make it fail the way a real
+worker can. Does not run a model: it stands in only where a real server cannot (NCCL needs a GPU server;
+the GPU machine has no vLLM).
 
 Run alone (the benchmark does, on another GPU): `python -m tools.bench.weight_sync.stub_worker --port P
 --transport nccl --device 1`.
@@ -21,13 +25,15 @@ import binascii
 import json
 import math
 import threading
+import time
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
+
+from tools.loopback_http import LoopbackHTTP
 
 INIT_KEYS = {
     "master_address", "master_port", "rank_offset", "world_size", "nccl_unique_id_b64",
@@ -52,6 +58,10 @@ class StubWorker:
         self.calls: list[str] = []
         self.weights: dict[str, torch.Tensor] = {}
         self.adapters: dict[str, dict[str, torch.Tensor]] = {}
+        self.pinned: dict[str, dict[str, torch.Tensor]] = {}
+        """The host copies of each loaded adapter (GPU receivers only)."""
+        self.lora_load_s: list[float] = []
+        """Seconds of each adapter load (read, cast, pin, copy to the device), in order."""
         self.state = {"paused": False, "started": False, "version": "default", "packed": None}
         self.fail_init = False
         self.receive = True
@@ -177,9 +187,28 @@ class StubWorker:
         config = json.loads((path / "adapter_config.json").read_text())
         if int(config["r"]) > int(self.lora.get("max_lora_rank", 0)):
             raise WorkerError(f"LoRA rank {config['r']} is greater than max_lora_rank")
-        tensors = load_file(str(path / "adapter_model.safetensors"), device=str(self.device))
-        self.adapters[name] = tensors
+        started = time.perf_counter()
+        self.adapters[name] = self._read_adapter(name, path / "adapter_model.safetensors")
+        self.lora_load_s.append(time.perf_counter() - started)
         return f"Success: LoRA adapter '{name}' added successfully."
+
+    def _read_adapter(self, name: str, file: Path) -> dict[str, torch.Tensor]:
+        """vLLM 0.32's steps: each tensor read on the host and cast to the served dtype, pinned when a GPU
+        serves (the pinned copies stay while the adapter is loaded, as in vLLM's CPU-side LoRA cache), then
+        copied into the device's slots (here: one device tensor per name)."""
+        self._bind_device()
+        dtype, on_gpu = getattr(torch, self.dtype), self.device.type == "cuda"
+        host = {}
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                tensor = f.get_tensor(key).to(dtype=dtype)
+                host[key] = tensor.pin_memory() if on_gpu else tensor
+        if not on_gpu:
+            return host
+        self.pinned[name] = host
+        placed = {key: tensor.to(self.device, non_blocking=True) for key, tensor in host.items()}
+        torch.cuda.synchronize(self.device)
+        return placed
 
     def server_info(self) -> dict:
         lora = (
@@ -237,41 +266,21 @@ class StubWorker:
         if body["lora_name"] not in self.adapters:
             raise WorkerError(f"The lora adapter '{body['lora_name']}' cannot be found.")
         del self.adapters[body["lora_name"]]
+        self.pinned.pop(body["lora_name"], None)
         return f"Success: LoRA adapter '{body['lora_name']}' removed successfully."
 
-    def serve(self, port: int = 0) -> ThreadingHTTPServer:
-        """Serve on 127.0.0.1:`port` from a daemon thread; returns the server (`.server_port`)."""
-        worker = self
+    def serve(self, port: int = 0) -> LoopbackHTTP:
+        """Serve on 127.0.0.1:`port` from a daemon thread; returns the server (`.port`, `.url`, `.stop()`:
+        as a dead process, it then refuses connections and closes the kept-alive ones)."""
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-            disable_nagle_algorithm = True  # one small response must not wait for a delayed ACK (40 ms)
+        def answer(method: str, path: str, raw: bytes) -> tuple[int, bytes]:
+            url = urlparse(path)
+            body = json.loads(raw) if raw else {}
+            query = {k: v[0] for k, v in parse_qs(url.query).items()}
+            status, payload = self.handle(method, url.path, query, body)
+            return status, (payload if isinstance(payload, str) else json.dumps(payload)).encode()
 
-            def _answer(self, method: str) -> None:
-                url = urlparse(self.path)
-                length = int(self.headers.get("Content-Length") or 0)
-                raw = self.rfile.read(length) if length else b""
-                body = json.loads(raw) if raw else {}
-                query = {k: v[0] for k, v in parse_qs(url.query).items()}
-                status, payload = worker.handle(method, url.path, query, body)
-                data = (payload if isinstance(payload, str) else json.dumps(payload)).encode()
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self) -> None:
-                self._answer("GET")
-
-            def do_POST(self) -> None:
-                self._answer("POST")
-
-            def log_message(self, *args) -> None:
-                """Quiet: the benchmark prints its own lines."""
-
-        server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        return server
+        return LoopbackHTTP(answer, port)
 
 
 ROUTES = {
@@ -303,6 +312,7 @@ def checksums(weights: dict[str, torch.Tensor]) -> dict[str, float]:
 
 ROUTES[("GET", "/bench/checksums")] = lambda w, q, b: checksums(w.weights)
 ROUTES[("POST", "/bench/raw")] = lambda w, q, b: w.raw_receive(b)
+ROUTES[("GET", "/bench/lora_loads")] = lambda w, q, b: {"seconds": w.lora_load_s}
 ROUTES[("POST", "/bench/fault")] = lambda w, q, b: w.__dict__.update(b) or {}
 
 

@@ -17,8 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from tools.dev_server import VLLMServer, ensure_vllm_env
-from tools.tiny_models import save_tiny_model
+from agrpo_attention.testing import save_tiny_model
+from agrpo_rollout.testing import VLLMServer, ensure_vllm_env
 
 ROOT = Path(__file__).resolve().parents[3]
 

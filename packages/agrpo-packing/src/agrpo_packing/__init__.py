@@ -15,6 +15,7 @@ from ._packing_config import PackingConfig
 from ._planner import Planner
 from ._row_reference import UnpackedSample, reference_logprobs, token_path, unpack
 from ._sample import PackSample
+from ._sft_collator import SFTCollator
 from ._tree_row import TreeRow
 
 try:
@@ -30,6 +31,7 @@ __all__ = [
     "PackingError",
     "Planner",
     "RowFullError",
+    "SFTCollator",
     "TreeRow",
     "UnpackedSample",
     "reference_logprobs",

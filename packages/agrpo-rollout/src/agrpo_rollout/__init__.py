@@ -16,6 +16,7 @@ from ._exceptions import (
     RolloutError,
     ServerConfigError,
     ServerError,
+    ServerLostError,
     ServerUnavailableError,
     ToolSetupError,
 )
@@ -26,6 +27,7 @@ from ._rollout import Rollout
 from ._sample import PACK_FIELDS, RolloutSample
 from ._sequence import ReconcileStats, TrainingSequence, build_sequences
 from ._server import ServerInfo
+from ._server_event import ServerEvent
 from ._server_load import ServerLoad
 from ._toolbox import Toolbox, ToolOutcome
 from ._turn import TopLogprobs, TurnRecord
@@ -53,8 +55,10 @@ __all__ = [
     "RolloutSample",
     "ServerConfigError",
     "ServerError",
+    "ServerEvent",
     "ServerInfo",
     "ServerLoad",
+    "ServerLostError",
     "ServerUnavailableError",
     "ToolOutcome",
     "ToolSetupError",

@@ -2,10 +2,13 @@
 
 Owns argument parsing, the order of the start-up checks and printing; the work is `_evaluation.evaluate`.
 Checks run cheapest first, so a user error costs seconds, not a model load: flags (the config's own
-checks, messages in flag names), `--reward`, the dataset's rows, the server (`--server-timeout`, a
-wrong URL fails at once), then the tokenizer (transformers is imported only here). Each failure is one
-line on stderr naming the flag to change (exit 2); a server that fails during the run exits 1, with
-the rollouts finished so far already in `--output`. Run `agrpo-rollout eval --help` for every flag.
+checks, messages in flag names), `--reward`, the dataset's rows (and the columns the rewards read), the
+server (`--server-timeout`, a wrong URL fails at once) and the served names (`--model`), then the
+tokenizer (transformers is imported only here) and the prompts' lengths against the server's
+`max_model_len`. Each failure is one line on stderr naming the flag to change (exit 2); a server that
+fails during the run exits 1 and Ctrl-C exits 130, with the rollouts finished so far already in
+`--output`. A finished run prints a one-screen summary, then the same numbers as one JSON line. Run
+`agrpo-rollout eval --help` for every flag.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from typing import Any
 
 from ._client import VLLMClient
 from ._config import RolloutConfig
-from ._eval_dataset import load_eval_dataset
-from ._evaluation import evaluate, resolve_reward
+from ._eval_dataset import FILE_SUFFIXES, EvalRows, fit_context, load_eval_dataset, prompt_length
+from ._evaluation import REWARD_COLUMNS, evaluate, resolve_reward
 from ._exceptions import RolloutError, ServerUnavailableError
 from ._server import json_body
 
@@ -62,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
         "--num-prompts", type=int, help="first N rows of a file; N items of a gym task (default 100)"
     )
     ev.add_argument("--prompt-column", default="prompt", help="column holding the prompt (text or messages)")
+    ev.add_argument(
+        "--answer-column", default="answer", help="column the `exact` and `contains` rewards compare with"
+    )
     ev.add_argument("--raw-text", action="store_true", help="send text prompts without the chat template")
     ev.add_argument(
         "--skip-bad-rows",
@@ -125,18 +131,24 @@ async def _served_models(config: RolloutConfig, timeout_s: float) -> list[dict[s
         return json_body(await client.request("GET", "/v1/models"))["data"]
 
 
-def tokenizer_source(model: str, served: list[dict[str, Any]]) -> str:
-    """What to load the tokenizer from without `--tokenizer`: `model` when it is a local directory or the
-    name the server loaded it by (a hub id); a served alias or LoRA adapter raises, naming what to pass."""
+def served_entry(model: str, served: list[dict[str, Any]]) -> dict[str, Any]:
+    """The `/v1/models` entry of `model`; a name the server does not serve raises, listing those it does."""
     by_id = {m["id"]: m for m in served}
     if model not in by_id:
         raise ValueError(
             f"--model {model!r} is not served (the server serves {sorted(by_id)}); pass one of those"
         )
-    entry = by_id[model]
+    return by_id[model]
+
+
+def tokenizer_source(model: str, served: list[dict[str, Any]]) -> str:
+    """What to load the tokenizer from without `--tokenizer`: `model` when it is a local directory or the
+    name the server loaded it by (a hub id); a served alias or LoRA adapter raises, naming what to pass."""
+    entry = served_entry(model, served)
     if Path(model).is_dir() or entry.get("root") in (None, model):
         return model
     if entry.get("parent"):
+        by_id = {m["id"]: m for m in served}
         base = by_id.get(entry["parent"], {}).get("root") or entry["parent"]
         raise ValueError(
             f"--model {model!r} is a LoRA adapter of {entry['parent']!r}, not a tokenizer; pass --tokenizer {base}"
@@ -145,6 +157,14 @@ def tokenizer_source(model: str, served: list[dict[str, Any]]) -> str:
         f"--model {model!r} is the server's name for {entry['root']}, not a tokenizer; pass --tokenizer "
         f"{entry['root']} (or the tokenizer's local directory)"
     )
+
+
+def _max_model_len(model: str, served: list[dict[str, Any]]) -> int | None:
+    """The context length the server gives `model` (a LoRA adapter's is its base model's)."""
+    entry = served_entry(model, served)
+    parent = next((m for m in served if m["id"] == entry.get("parent")), {})
+    value = entry.get("max_model_len") or parent.get("max_model_len")
+    return int(value) if value else None
 
 
 def _load_tokenizer(name: str) -> Any:
@@ -164,18 +184,63 @@ def _fail(error: BaseException | str, code: int) -> int:
     return code
 
 
+def _required_columns(args: argparse.Namespace) -> dict[str, str]:
+    """File columns the built-in rewards read, with the sentence end that says why (`load_eval_dataset`)."""
+    is_file = Path(args.dataset).suffix in FILE_SUFFIXES
+    required = {}
+    for spec in args.reward:
+        if REWARD_COLUMNS.get(spec) == "entry" and is_file:
+            raise ValueError(
+                f"--reward {spec} scores reasoning-gym tasks with their own scorer; pass a task name as "
+                f"--dataset ({args.dataset} is a file), or use --reward exact/contains/module:function"
+            )
+        if REWARD_COLUMNS.get(spec) == "answer":
+            required[args.answer_column] = f"--reward {spec} compares completions with; pass --answer-column naming it"
+    return required
+
+
+def _load_rows(args: argparse.Namespace) -> EvalRows:
+    data = load_eval_dataset(
+        args.dataset, num_prompts=args.num_prompts, prompt_column=args.prompt_column, seed=args.dataset_seed,
+        chat=not args.raw_text, skip_bad_rows=args.skip_bad_rows, required=_required_columns(args),
+    )  # fmt: skip
+    if args.answer_column != "answer" and Path(args.dataset).suffix in FILE_SUFFIXES:
+        for row in data.rows:
+            if args.answer_column in row:
+                row["answer"] = row.pop(args.answer_column)
+    return data
+
+
+def _prepare(args: argparse.Namespace) -> tuple[RolloutConfig, list, EvalRows, Any]:
+    """Every start-up check, cheapest first: config, rewards, dataset, server and model, tokenizer, lengths."""
+    config = _config(args)
+    reward_funcs = [resolve_reward(r) for r in args.reward]
+    data = _load_rows(args)
+    served = asyncio.run(_served_models(config, args.server_timeout))
+    served_entry(args.model, served)
+    tokenizer = _load_tokenizer(args.tokenizer or tokenizer_source(args.model, served))
+    limit = _max_model_len(args.model, served)
+    if limit is not None:
+        lengths = [prompt_length(tokenizer, row["prompt"]) for row in data.rows]
+        data = fit_context(data, lengths, limit, skip_bad_rows=args.skip_bad_rows)
+    return config, reward_funcs, data, tokenizer
+
+
+class _FlagNames(logging.Filter):
+    """Library warnings (which name config fields) in this command's flag names."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = _in_flag_names(record.getMessage()), ()
+        return True
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_FlagNames())
     try:
-        config = _config(args)
-        reward_funcs = [resolve_reward(r) for r in args.reward]
-        data = load_eval_dataset(
-            args.dataset, num_prompts=args.num_prompts, prompt_column=args.prompt_column,
-            seed=args.dataset_seed, chat=not args.raw_text, skip_bad_rows=args.skip_bad_rows,
-        )  # fmt: skip
-        served = asyncio.run(_served_models(config, args.server_timeout))
-        tokenizer = _load_tokenizer(args.tokenizer or tokenizer_source(args.model, served))
+        config, reward_funcs, data, tokenizer = _prepare(args)
     except (ValueError, RolloutError) as error:
         return _fail(error, 2)
     if data.skipped:
@@ -190,10 +255,15 @@ def main(argv: list[str] | None = None) -> int:
     except RolloutError as error:
         done = f" (rollouts finished before it are in {args.output})" if args.output else ""
         return _fail(f"{error}{done}", 1)
-    print(
-        f"prompts {report.num_prompts}  rollouts {report.num_rollouts}  mean reward {report.mean_reward:.4f}  "
-        f"pass@1 {report.pass_at_1:.4f}  pass@{report.k} {report.pass_at_k:.4f}  tokens/s {report.tokens_per_s:.1f}"
-    )
+    except KeyboardInterrupt:  # Ctrl-C: in-flight rollouts were cancelled; what finished is kept
+        done = f"; the rollouts finished before it are in {args.output}" if args.output else ""
+        print(f"agrpo-rollout eval: interrupted{done}", file=sys.stderr)
+        return 130
+    print(report.summary(f"agrpo-rollout eval: {args.dataset} on {args.model} at {args.base_url}"))
+    if data.skipped:
+        print(f"  skipped       {len(data.skipped)} rows (--skip-bad-rows)")
+    if args.output:
+        print(f"  output        {args.output} (one JSON line per rollout)")
     print(json.dumps({**report.as_dict(), "skipped_rows": len(data.skipped)}))
     return 0
 

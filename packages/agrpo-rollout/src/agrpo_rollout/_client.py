@@ -11,6 +11,12 @@ previous line), so a server that is down is visible at once without flooding the
 `RequestRejectedError` at once because the same request would fail again (the reference retried those
 30 times). A prompt that leaves no room under `max_model_len` returns an empty `length` turn without a
 request.
+
+Under a `ServerPool` the client also has a `gate` (its `PooledServer`): each attempt of a rollout's request
+first passes `gate.admit()` (it waits out an identity check, and raises `ServerLostError` once the process
+the rollout was generating on is gone), and a transport failure is reported to `gate.transport_failed()`
+before the retry, so the next attempt goes to a server that was checked. Requests outside a rollout (the
+start-up probe, the pool's own checks) are not gated.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import asyncio
 import logging
 import time
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import numpy as np
@@ -42,13 +48,29 @@ _RETRY_STATUS = frozenset({408, 429})
 _RETRY_LOG_INTERVAL_S = 10.0
 
 
+class RequestGate(Protocol):
+    """What a `ServerPool` puts in front of a client's requests (see the module docstring)."""
+
+    async def admit(self) -> None: ...
+
+    async def transport_failed(self, error: Exception) -> None: ...
+
+
 class VLLMClient:
     """Talks to one vLLM server: `open`, `probe`, then `sample` and `load` as often as needed."""
 
-    def __init__(self, config: RolloutConfig, *, transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        config: RolloutConfig,
+        *,
+        base_url: str | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
         self.config = config
-        self.base_url = config.vllm_server_base_url.rstrip("/")
+        self.base_url = (base_url or config.server_urls[0]).rstrip("/")
+        """This client's server: `base_url`, or the config's first one."""
         self.retry_total = 0
+        self.gate: RequestGate | None = None
         self.server: ServerInfo | None = None
         self._transport = transport
         self._http: httpx.AsyncClient | None = None
@@ -85,22 +107,36 @@ class VLLMClient:
         return min(self.config.vllm_retry_backoff_s * 2**attempt, _MAX_BACKOFF_S)
 
     async def request(
-        self, method: str, path: str, *, allow_status: tuple[int, ...] = (), **kwargs: Any
+        self,
+        method: str,
+        path: str,
+        *,
+        allow_status: tuple[int, ...] = (),
+        attempts: int | None = None,
+        **kwargs: Any,
     ) -> httpx.Response:
-        """One request with retries; 2xx and `allow_status` answers are returned, other 4xx raise."""
+        """One request with retries (`attempts` in all, default `vllm_max_retries + 1`); 2xx and
+        `allow_status` answers are returned, other 4xx raise. `ServerUnavailableError` has the last transport
+        error, if any, as its `__cause__`."""
         if self._http is None:
             await self.open()
-        last_error = ""
-        for attempt in range(self.config.vllm_max_retries + 1):
+        attempts = self.config.vllm_max_retries + 1 if attempts is None else attempts
+        last_error, last_exc = "", None
+        for attempt in range(attempts):
             if attempt:
                 self.retry_total += 1
-                self._log_retry(f"{method} {self.base_url}{path}", last_error, attempt)
+                self._log_retry(f"{method} {self.base_url}{path}", last_error, attempt, attempts - 1)
                 await asyncio.sleep(self._backoff_s(attempt - 1))
+            if self.gate is not None:
+                await self.gate.admit()
             try:
                 response = await self._http.request(method, path, **kwargs)
             except httpx.TransportError as exc:  # connection refused/reset, timeouts, protocol errors
-                last_error = f"{type(exc).__name__}: {exc}"
+                last_error, last_exc = f"{type(exc).__name__}: {exc}", exc
+                if self.gate is not None:
+                    await self.gate.transport_failed(exc)
                 continue
+            last_exc = None
             if response.status_code < 400 or response.status_code in allow_status:
                 return response
             if response.status_code >= 500 or response.status_code in _RETRY_STATUS:
@@ -111,11 +147,11 @@ class VLLMClient:
                 response.status_code,
             )
         raise ServerUnavailableError(
-            f"{method} {self.base_url}{path} failed {self.config.vllm_max_retries + 1} times; last error: "
+            f"{method} {self.base_url}{path} failed {attempts} times; last error: "
             f"{last_error}. Check that the server is up, or raise vllm_max_retries / vllm_server_timeout"
-        )
+        ) from last_exc
 
-    def _log_retry(self, request: str, error: str, attempt: int) -> None:
+    def _log_retry(self, request: str, error: str, attempt: int, retries: int) -> None:
         """One warning per `_RETRY_LOG_INTERVAL_S` at most, counting the retries it stands for."""
         self._retries_since_log += 1
         now = time.monotonic()
@@ -124,7 +160,7 @@ class VLLMClient:
         logger.warning(
             "%s failed (%s); retry %d of %d in %.1f s (this line stands for %d retries, one line per %.0f s "
             "at most; rollout/vllm_retry_total counts them)",
-            request, error, attempt, self.config.vllm_max_retries, self._backoff_s(attempt - 1),
+            request, error, attempt, retries, self._backoff_s(attempt - 1),
             self._retries_since_log, _RETRY_LOG_INTERVAL_S,
         )  # fmt: skip
         self._retry_logged_at, self._retries_since_log = now, 0

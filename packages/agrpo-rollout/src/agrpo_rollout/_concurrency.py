@@ -1,7 +1,8 @@
 """`ConcurrencyController`: the live cap on rollouts in flight, steered by the server's `/metrics`.
 
-Owns the slots rollouts acquire, the bound, the polling of `/metrics` and what every rule shares; the
-rules themselves (when the cap rises or falls) are in `_cap_rules.py`: `goodput` (default) or
+Owns the slots rollouts acquire, the bound, the readings of `/metrics` and what every rule shares (one
+controller per server: the loop's `ServerPool` polls each server and feeds its controller; `poll` is the
+same loop for a controller used on its own); the rules themselves (when the cap rises or falls) are in `_cap_rules.py`: `goodput` (default) or
 `kv_usage` (the reference's, SPEC F-CONC). Does not know what a rollout does, nor HTTP (`poll` takes a
 coroutine that returns a `ServerLoad`).
 
@@ -41,6 +42,8 @@ class ConcurrencyController:
         self.cut_pending = False
         self.last_load: ServerLoad | None = None
         self._preemptions_at_start: int | None = None
+        self._preemptions_before = 0
+        """Preemptions counted on earlier processes of the server (a restart resets its counter)."""
         self._changed: asyncio.Condition | None = None
 
     @property
@@ -60,6 +63,25 @@ class ConcurrencyController:
                 return
             self.cut_pending = self.in_flight >= cap
         self.cap = cap
+
+    @property
+    def has_room(self) -> bool:
+        """Whether a slot is free under the current cap."""
+        return self.in_flight < self.cap
+
+    def try_acquire(self) -> bool:
+        """Take a slot if one is free now (a `ServerPool` choosing among servers); False otherwise."""
+        if not self.has_room:
+            return False
+        self.in_flight += 1
+        return True
+
+    def forget_process(self) -> None:
+        """The server restarted: its counters start again, so readings restart from here (the running
+        preemption total carries on) and the rule's deltas never span two processes."""
+        if self.last_load is not None and self._preemptions_at_start is not None:
+            self._preemptions_before += max(0, self.last_load.preemptions_total - self._preemptions_at_start)
+        self.last_load, self._preemptions_at_start = None, None
 
     async def acquire(self) -> None:
         """Wait for a free slot under the current cap and take it."""
@@ -115,7 +137,7 @@ class ConcurrencyController:
                     "rollout/vllm_running_requests": float(load.running_requests),
                     "rollout/vllm_queued_requests": float(load.waiting_requests),
                     "rollout/vllm_preemptions_total": float(
-                        max(0, load.preemptions_total - self._preemptions_at_start)
+                        self._preemptions_before + max(0, load.preemptions_total - self._preemptions_at_start)
                     ),
                 }
             )

@@ -27,8 +27,9 @@ CONCURRENCY_CONTROLS = ("goodput", "kv_usage", "fixed")
 class RolloutConfig:
     """Sampling, server and concurrency settings of one rollout loop or eval run."""
 
-    vllm_server_base_url: str = "http://localhost:8000"
-    """Base URL of the vLLM OpenAI-compatible server, e.g. `http://localhost:8000`."""
+    vllm_server_base_url: str | list[str] = "http://localhost:8000"
+    """Root URL of the vLLM server, e.g. `http://localhost:8000`, or a list of several servers serving the same
+    model: each group goes to one of them, balanced by their live concurrency caps (`ServerPool`)."""
     model_name: str | None = None
     """Served model or LoRA adapter name sent as `model`; None: the first model `/v1/models` lists. A
     template with `{version}` (e.g. `agrpo-policy-v{version}`, LoRA adapter sync) names, per request, the
@@ -59,7 +60,8 @@ class RolloutConfig:
     """How the live cap moves under the bound: `goodput` (keep the server's KV cache nearly full without
     preempting), `kv_usage` (the reference's rule, SPEC F-CONC) or `fixed` (the cap is the bound)."""
     vllm_server_timeout: float = 1800.0
-    """Seconds one HTTP request may take before it is retried, > 0."""
+    """Seconds one HTTP request may take before it is retried, and how long the loop waits while no server
+    serves (a restart) before it fails with `ServerUnavailableError`, > 0."""
     vllm_max_retries: int = 8
     """Retries of one request on connection errors, 5xx and timeouts before giving up, >= 0."""
     vllm_retry_backoff_s: float = 0.5
@@ -70,6 +72,8 @@ class RolloutConfig:
     """Finished groups waiting to be scored before generation blocks (`rollout/score_block_s`), >= 1."""
     metrics_interval_s: float = 5.0
     """Seconds between two metric pushes of a running loop to its `metrics_sink`, > 0."""
+    tool_timeout_s: float | None = 300.0
+    """Seconds one tool call may take before it becomes an error message to the model, > 0; None waits forever."""
     tool_threads: int | None = None
     """Threads for sync tools, rewards and environments; None: `max_concurrent_rollouts`."""
     seed: int | None = None
@@ -101,23 +105,36 @@ class RolloutConfig:
                 f"num_sampler_logprobs={self.num_sampler_logprobs}, vllm_max_retries={self.vllm_max_retries}; "
                 "both must be >= 0"
             )
+        if self.tool_timeout_s is not None and not self.tool_timeout_s > 0:
+            raise ValueError(f"tool_timeout_s={self.tool_timeout_s}; use None (wait forever) or seconds > 0")
         if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
             raise ValueError(
                 f"max_tool_calling_iterations={self.max_tool_calling_iterations}; use None or >= 0"
             )
 
+    @property
+    def server_urls(self) -> tuple[str, ...]:
+        """`vllm_server_base_url` as a tuple of roots without a trailing slash (one entry for one server)."""
+        urls = [self.vllm_server_base_url] if isinstance(self.vllm_server_base_url, str) else self.vllm_server_base_url
+        return tuple(str(url).rstrip("/") for url in urls)
+
     def _check_server_url(self) -> None:
-        url = self.vllm_server_base_url.rstrip("/")
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(
-                f"vllm_server_base_url={self.vllm_server_base_url!r}; give the server's root with its scheme, "
-                "e.g. http://localhost:8000"
-            )
-        if url.endswith("/v1"):
-            raise ValueError(
-                f"vllm_server_base_url={self.vllm_server_base_url!r} ends in /v1; pass the server's root "
-                f"({url[:-3]}): the client adds /v1/completions and the other routes itself"
-            )
+        urls = self.server_urls
+        if not urls:
+            raise ValueError("vllm_server_base_url is an empty list; give one server's root URL or several")
+        if len(set(urls)) < len(urls):
+            raise ValueError(f"vllm_server_base_url={list(urls)} names a server twice; list each server once")
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(
+                    f"vllm_server_base_url={self.vllm_server_base_url!r}; give the server's root with its scheme, "
+                    "e.g. http://localhost:8000"
+                )
+            if url.endswith("/v1"):
+                raise ValueError(
+                    f"vllm_server_base_url={self.vllm_server_base_url!r} ends in /v1; pass the server's root "
+                    f"({url[:-3]}): the client adds /v1/completions and the other routes itself"
+                )
 
     def _check_extra_request_fields(self) -> None:
         taken = sorted(CLIENT_REQUEST_FIELDS & set(self.extra_request_fields))

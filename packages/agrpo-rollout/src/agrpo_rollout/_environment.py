@@ -5,7 +5,10 @@ dataset row's `environment` column; `reset(**row)` (sync or async) may return te
 last user message; every other public method is a tool; an optional `get_reward()` is an extra
 reward source named after the class. Instances are built once and reused ("construct once, reset
 often"): a finished rollout returns its instance to the pool. `reset` and `get_reward` run in the
-tool thread pool, so a slow environment delays only its own rollout. Does not know the model loop.
+tool thread pool, so a slow environment delays only its own rollout. A `reset()` or `get_reward()` that
+raises ends the run with its own exception and a note naming the environment, the row's prompt and the
+fix: like a raising reward function, it is a bug to fix, not a sample to skip unseen (`filter_prompt`
+rejects rows an environment cannot start; `get_reward` may return None). Does not know the model loop.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from concurrent.futures import Executor
 from typing import Any
 
 from ._exceptions import ToolSetupError
+from ._group import prompt_preview
 from ._toolbox import Toolbox
 
 ENVIRONMENT_COLUMN = "environment"
@@ -80,7 +84,15 @@ class EnvironmentPool:
         instance = self._free[name].pop() if self._free[name] else self._build(name)
         start = time.perf_counter()
         kwargs = {k: v for k, v in row.items() if isinstance(k, str)}
-        returned = await _call(instance.reset, executor, **kwargs)
+        try:
+            returned = await _call(instance.reset, executor, **kwargs)
+        except Exception as error:
+            error.add_note(
+                f"environment {type(instance).__name__}.reset() raised for the row with prompt "
+                f"{prompt_preview(row.get('prompt'))!r}, which stops the run: make reset() handle such rows, "
+                "or reject the rows it cannot start in filter_prompt"
+            )
+            raise
         return name, instance, returned, time.perf_counter() - start
 
     async def reward(self, instance: object, executor: Executor | None) -> tuple[float | None, float]:
@@ -89,7 +101,14 @@ class EnvironmentPool:
         if get_reward is None:
             return None, 0.0
         start = time.perf_counter()
-        value = await _call(get_reward, executor)
+        try:
+            value = await _call(get_reward, executor)
+        except Exception as error:
+            error.add_note(
+                f"environment {type(instance).__name__}.get_reward() raised, which stops the run: fix it, or "
+                "return None for a rollout it cannot score (its reward then comes from the other sources)"
+            )
+            raise
         return (None if value is None else float(value)), time.perf_counter() - start
 
     def release(self, name: str, instance: object) -> None:

@@ -21,7 +21,7 @@ import re
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +85,8 @@ BUILTIN_REWARDS: dict[str, Callable[..., list[float | None]]] = {
     "contains": contains_answer,
     "gym": gym_score,
 }
+REWARD_COLUMNS = {"exact": "answer", "contains": "answer", "gym": "entry"}
+"""The dataset column each built-in reward reads (without it, every rollout would go unscored)."""
 
 
 def resolve_reward(spec: str) -> Callable[..., list[float | None]]:
@@ -125,9 +127,34 @@ class EvalReport:
     generated_tokens: int
     wall_s: float
     tokens_per_s: float
+    pass_threshold: float = 1.0
+    mean_reward_by_func: dict[str, float] = field(default_factory=dict)
+    """Per reward function, the mean over the rollouts it scored (NaN when it scored none)."""
+    num_unscored: int = 0
+    """Rollouts no reward function scored (they count as failures)."""
+    clipped_frac: float = 0.0
+    """Rollouts cut at `max_completion_length` (or the server's context) before they stopped."""
 
-    def as_dict(self) -> dict[str, float | int]:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def summary(self, title: str) -> str:
+        """The run on one screen: what was evaluated, the scores, the completions, the throughput."""
+        by_func = "  ".join(f"{name} {value:.4f}" for name, value in self.mean_reward_by_func.items())
+        lines = [
+            title,
+            f"  prompts       {self.num_prompts} x {self.k} rollouts = {self.num_rollouts}",
+            f"  mean reward   {self.mean_reward:.4f}" + (f"   ({by_func})" if len(self.mean_reward_by_func) > 1 else ""),
+            f"  pass@1        {self.pass_at_1:.4f}   (mean per-prompt fraction of rollouts with reward >= "
+            f"{self.pass_threshold:g})",
+            f"  pass@{self.k:<9}{self.pass_at_k:.4f}   (prompts with at least one such rollout among {self.k})",
+            f"  completions   {self.generated_tokens / max(self.num_rollouts, 1):.1f} tokens mean, "
+            f"{100 * self.clipped_frac:.1f}% cut at the length limit",
+            f"  throughput    {self.tokens_per_s:.1f} tokens/s over {self.wall_s:.1f} s",
+        ]
+        if self.num_unscored:
+            lines.append(f"  unscored      {self.num_unscored} rollouts no reward scored (counted as failures)")
+        return "\n".join(lines)
 
 
 def _records(outcome: GroupOutcome) -> list[dict[str, Any]]:
@@ -167,6 +194,7 @@ async def evaluate(
 
     loop = loop_cls(config, tokenizer=tokenizer, dataset=dataset, reward_funcs=reward_funcs, max_epochs=1)
     records: list[dict[str, Any]] = []
+    passed: list[float] = []  # per finished prompt, for the bar
     with contextlib.ExitStack() as stack:
         out = None if output_path is None else stack.enter_context(open(output_path, "w"))
         bar = stack.enter_context(tqdm(total=len(dataset), desc="eval", unit="prompt", disable=not progress))
@@ -176,8 +204,11 @@ async def evaluate(
                 done = _records(outcome)
                 records.extend(done)
                 if out is not None:
-                    out.writelines(json.dumps(r, default=str) + "\n" for r in done)
+                    out.write("".join(json.dumps(r, default=str) + "\n" for r in done))  # one call: Ctrl-C
+                    # between two writes would leave a partial group; the buffer is flushed when the file closes
                     out.flush()
+                passed.append(np.mean([_passes(r, pass_threshold) for r in done]))
+                bar.set_postfix_str(f"pass@1 {np.mean(passed):.3f}", refresh=False)
             bar.update(1)
 
         async def discard(_sample: Any) -> None:
@@ -189,21 +220,34 @@ async def evaluate(
     return _report(records, config.num_generations, pass_threshold, wall)
 
 
+def _passes(record: dict[str, Any], pass_threshold: float) -> bool:
+    return record["reward"] is not None and record["reward"] >= pass_threshold
+
+
+def _mean(values: list[float]) -> float:
+    return float(np.mean(values)) if values else float("nan")
+
+
 def _report(records: list[dict[str, Any]], k: int, pass_threshold: float, wall_s: float) -> EvalReport:
     by_prompt: dict[int, list[bool]] = {}
-    rewards = [r["reward"] for r in records if r["reward"] is not None]
     for record in records:
-        passed = record["reward"] is not None and record["reward"] >= pass_threshold
-        by_prompt.setdefault(record["row_index"], []).append(passed)
+        by_prompt.setdefault(record["row_index"], []).append(_passes(record, pass_threshold))
+    funcs = dict.fromkeys(name for r in records for name in r.get("rewards", {}))
     tokens = sum(r["num_tokens"] for r in records)
     return EvalReport(
         num_prompts=len(by_prompt),
         num_rollouts=len(records),
         k=k,
-        mean_reward=float(np.mean(rewards)) if rewards else float("nan"),
+        mean_reward=_mean([r["reward"] for r in records if r["reward"] is not None]),
         pass_at_1=float(np.mean([np.mean(p) for p in by_prompt.values()])) if by_prompt else 0.0,
         pass_at_k=float(np.mean([any(p) for p in by_prompt.values()])) if by_prompt else 0.0,
         generated_tokens=tokens,
         wall_s=wall_s,
         tokens_per_s=tokens / wall_s if wall_s > 0 else 0.0,
+        pass_threshold=pass_threshold,
+        mean_reward_by_func={
+            f: _mean([r["rewards"][f] for r in records if r["rewards"].get(f) is not None]) for f in funcs
+        },
+        num_unscored=sum(r["reward"] is None for r in records),
+        clipped_frac=_mean([float(r.get("clipped", False)) for r in records]) if records else 0.0,
     )

@@ -1,8 +1,8 @@
 """`RolloutGroup` (one prompt's `num_generations` rollouts) and the group advantage rule.
 
 Owns the group record (and `FinishedRollout`, what one rollout adds to it), which rewards count (`usable_rewards`), `group_advantages` (standardise within
-the group) and `is_trainable` (whether a group can teach anything). Pure functions of rewards: no I/O,
-no logging. Does not know where rewards come from (`_reward.py`) or how samples are emitted (`_loop.py`).
+the group), `is_trainable` (whether a group can teach anything) and `prompt_preview` (how errors name a
+group's prompt). Pure functions: no I/O, no logging. Does not know where rewards come from (`_reward.py`) or how samples are emitted (`_loop.py`).
 
 A reward counts when it is a number with |r| <= `REWARD_LIMIT` (float32's largest): NaN (no score),
 +-inf and values such as 1e308 are excluded alike. Beyond float32's range a sample's reward becomes
@@ -85,6 +85,15 @@ class RolloutGroup:
         self.env_rewards = [f.env_reward for f in finished]
         self.rollout_rewards = [f.rollout.reward for f in finished]
         self.queued_at = time.monotonic()
+
+
+def prompt_preview(prompt: Any, limit: int = 120) -> str:
+    """The prompt's last user text (or the text prompt), cut to `limit` characters: names a row in errors."""
+    if isinstance(prompt, list | tuple):
+        texts = [m.get("content") for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
+        prompt = texts[-1] if texts else prompt
+    text = str(prompt)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def usable_rewards(rewards: np.ndarray) -> np.ndarray:

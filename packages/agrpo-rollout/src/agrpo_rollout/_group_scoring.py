@@ -8,7 +8,8 @@ group's `GroupOutcome`. Does not generate, dispatch or know the server.
 Rewards that are +-inf or beyond float32's range (a source's value, or a sum of sources) are excluded
 like None, counted (`rollout/rewards_nonfinite_total`) and named in a warning once per source; an
 override of `compute_advantages` that returns a non-finite advantage for a kept group is an error, so
-no sample ever carries one.
+no sample ever carries one. A reward source that raises ends the run; its exception gets a note naming
+the group's dataset row, epoch and prompt (beside `RewardScorer`'s note naming the function and the fix).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from concurrent.futures import Executor
 
 import numpy as np
 
-from ._group import REWARD_LIMIT, RolloutGroup, is_trainable, usable_rewards
+from ._group import REWARD_LIMIT, RolloutGroup, is_trainable, prompt_preview, usable_rewards
 from ._group_outcome import GroupOutcome
 from ._reward import RewardScorer, exclude_unusable, sum_rewards, with_other_sources
 from ._rollout_metrics import RolloutMetrics
@@ -52,7 +53,14 @@ class GroupScoring:
         while (group := await queue.get()) is not None:
             self.metrics.score_wait_s.append(time.monotonic() - group.queued_at)
             start = time.monotonic()
-            await self._reward_columns(group)
+            try:
+                await self._reward_columns(group)
+            except Exception as error:
+                error.add_note(
+                    f"while scoring the group of dataset row {group.row_index} (epoch {group.epoch}), prompt "
+                    f"{prompt_preview(group.prompts[0] if group.prompts else None)!r}"
+                )
+                raise
             advantages = np.asarray(self.compute_advantages(group), dtype=np.float32)
             kept, reason = is_trainable(group.rewards)
             if kept and not np.isfinite(advantages).all():

@@ -5,15 +5,23 @@ Owns the overridable steps (`filter_prompt`, `generate_one`, `generate_one_turn`
 the caller passes a `sink` for samples, a `policy_version` callable, and optional `on_group` and
 `metrics_sink` callables; the trainer's rollout process wraps its multiprocessing queue in them.
 
-Data flow of `run` (every arrow but scoring is in this file):
+Data flow of `run` (every arrow but dispatch and scoring is in this file):
 
-    PromptSource ──filter_prompt──> dispatch ──(a live slot per rollout)──> _run_rollout
+    PromptSource ──filter_prompt──> GroupDispatch (`_group_dispatch.py`) ──(a live slot per rollout on
+      one server of the ServerPool)──> _run_rollout
       ──generate_one──> Rollout ──build_sequences──> collected per group
       ──score queue (score_queue_maxsize)──> GroupScoring (`_group_scoring.py`): rewards,
       compute_advantages, keep/drop ──> sink(RolloutSample) for each sequence of a kept group;
       on_group(GroupOutcome) for every group
 
-Any failure ends the run with the original error; a failed rollout ends it at once, before another
+Servers (`ServerPool`, `_server_pool.py`): each group goes to one server of `vllm_server_base_url`, the
+serving one with the most free slots under its live cap, and all its rollouts and their turns stay there
+(its prefix cache holds the shared prompt). A group whose server lost its process mid-generation (died,
+or restarted: `_pooled_server.py`) is abandoned and its prompt dispatched again, first in line, so
+nothing a dead or not yet re-synced process generated is emitted and no prompt is lost
+(`rollout/groups_redispatched_total`); the prompt still gets exactly one `GroupOutcome`.
+
+Any other failure ends the run with the original error; a failed rollout ends it at once, before another
 rollout is sent (`RolloutTasks`, `_rollout_tasks.py`).
 
 Customise by subclassing at module level (the loop is pickled into a spawned process) and override
@@ -33,30 +41,29 @@ from typing import Any
 import numpy as np
 
 from ._assistant_message import parse_assistant_turn, parser_kind
-from ._client import POLICY_VERSION, VLLMClient
-from ._concurrency import ConcurrencyController
+from ._client import VLLMClient
 from ._config import RolloutConfig
 from ._conversation import Conversation, render_prompt, with_reset_text
 from ._environment import EnvironmentPool
-from ._exceptions import RequestRejectedError
+from ._exceptions import ServerLostError
 from ._group import FinishedRollout, RolloutGroup, group_advantages
+from ._group_dispatch import GroupDispatch, maybe_retired
 from ._group_outcome import GroupOutcome
 from ._group_scoring import GroupScoring
+from ._pooled_server import BOUND
 from ._prompt_source import PromptSource
-from ._request_seed import REQUEST_SEEDS, RequestSeeds
 from ._reward import RewardScorer
 from ._rollout import Rollout
 from ._rollout_metrics import RolloutMetrics
 from ._rollout_tasks import RolloutTasks
 from ._sample import RolloutSample
 from ._sequence import build_sequences
+from ._server_event import ServerEvent
+from ._server_pool import ServerPool
 from ._toolbox import Toolbox
 from ._turn import TurnRecord
 
 logger = logging.getLogger("agrpo_rollout")
-
-_RETIRED_WAIT_S = 30.0
-"""How long a 404 for a group's adapter waits for a newer policy version before it counts as an error."""
 
 
 class AsyncRolloutLoop:
@@ -89,6 +96,13 @@ class AsyncRolloutLoop:
         self.max_epochs = max_epochs
         self.skip_prompts = skip_prompts  # (epoch, row_index) already trained before a resume: not drawn
         self.metrics = RolloutMetrics()
+
+    @property
+    def client(self) -> VLLMClient:
+        """The client of the server the current rollout's group was dispatched to (outside a rollout: the
+        first server's). `generate_one_turn` samples through it, and so can overrides."""
+        binding = BOUND.get()
+        return binding.server.client if binding is not None else self.pool.servers[0].client
 
     # ---- overridable steps -------------------------------------------------------------------
 
@@ -130,7 +144,9 @@ class AsyncRolloutLoop:
             if limit is not None and talk.tool_rounds >= limit:
                 exhausted = True
                 break
-            outcomes = await toolbox.run(message.tool_calls, self._executor)
+            outcomes = await toolbox.run(
+                message.tool_calls, self._executor, timeout_s=self.config.tool_timeout_s
+            )
             self.metrics.record_tool_turn(outcomes)
             talk.add_tool_messages([o.as_chat_message() for o in outcomes], sum(o.failed for o in outcomes))
         return Rollout(
@@ -180,17 +196,9 @@ class AsyncRolloutLoop:
 
     # ---- the producer ------------------------------------------------------------------------
 
-    async def _prepare(self) -> None:
-        """Build what `run` needs: client (probed), controller, thread pool, tools, environments."""
-        self.client = await VLLMClient(self.config).open()
-        await self.client.wait_until_ready()
-        server = await self.client.probe()
-        bound, control = self.config.max_concurrent_rollouts, self.config.concurrency_control
-        adaptive = server.kv_cache_tokens and control != "fixed"
-        initial = server.initial_concurrency(bound) if adaptive else None
-        self.controller = ConcurrencyController(
-            bound, initial, rule="goodput" if control == "fixed" else control
-        )
+    async def _prepare(self, policy_version: Callable[[], int], on_server: Callable | None) -> None:
+        """Build what `run` needs: the servers (probed, one cap each), thread pool, tools, environments."""
+        self.pool = await ServerPool.open(self.config, policy_version=policy_version, on_event=on_server)
         self._executor = ThreadPoolExecutor(self.config.tool_threads or self.config.max_concurrent_rollouts)
         self._toolbox = Toolbox(self.tools)
         self._environments = (
@@ -203,7 +211,7 @@ class AsyncRolloutLoop:
         self._turn_takes_max_tokens = "max_tokens" in inspect.signature(self.generate_one_turn).parameters
 
     async def _teardown(self) -> None:
-        await self.client.close()
+        await self.pool.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _run_rollout(self, row: Mapping[str, Any], group_id: int) -> FinishedRollout:
@@ -223,111 +231,35 @@ class AsyncRolloutLoop:
                     env_reward = (type(env[1]), value)
                 self._environments.release(env[0], env[1])
         except Exception as error:  # recorded before the slot is given back: no new rollout follows it
-            if not self._maybe_retired(error):
+            if not (maybe_retired(self.config, error) or isinstance(error, ServerLostError)):
                 self._tasks.fail(error)
             raise
         finally:
-            await self.controller.release()
+            await self.pool.release(BOUND.get().server)
         sequences, stats = build_sequences(rollout.turns, rollout.rollout_id)
         self.metrics.record_rollout(rollout, time.monotonic() - start, stats, len(sequences))
         return FinishedRollout(prompt, rollout, sequences, env_reward)
 
-    async def _collect_group(
-        self,
-        tasks: list[asyncio.Task],
-        group: RolloutGroup,
-        queue: asyncio.Queue,
-        policy_version: Callable[[], int],
-        on_group: Callable | None,
-    ) -> None:
-        try:
-            finished = await asyncio.gather(*tasks)
-        except RequestRejectedError as error:
-            if not await self._adapter_retired(error, group, policy_version):
-                raise
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            self.metrics.groups_stale += 1
-            if on_group is not None:
-                on_group(GroupOutcome(group.row_index, group.epoch, group.group_id, False, "stale", 0, group))
-            return
-        group.collect(finished)
-        blocked = time.monotonic()
-        await queue.put(group)
-        self.metrics.score_block_s += time.monotonic() - blocked
-
-    def _maybe_retired(self, error: BaseException) -> bool:
-        """A 404 for a `{version}` adapter: maybe retired (`_adapter_retired` decides), not yet fatal."""
-        return (
-            isinstance(error, RequestRejectedError)
-            and error.status_code == 404
-            and "{version}" in (self.config.model_name or "")
-        )
-
-    async def _adapter_retired(
-        self, error: RequestRejectedError, group: RolloutGroup, policy_version: Callable[[], int]
-    ) -> bool:
-        """A 404 for the group's `{version}` adapter once a newer version is published: the trainer unloaded
-        it (it left the LoRA window, so its samples would be dropped as stale anyway). The trainer publishes
-        the new version just after the server loads it, so wait for that a little."""
-        if not self._maybe_retired(error):
-            return False
-        deadline = time.monotonic() + _RETIRED_WAIT_S
-        while policy_version() <= group.model_version:
-            if time.monotonic() > deadline:
-                return False
-            await asyncio.sleep(0.05)
-        return True
-
-    async def _dispatch(
-        self, queue: asyncio.Queue, policy_version: Callable[[], int], on_group, max_groups
-    ) -> None:
-        source = PromptSource(
+    def _source(self) -> PromptSource:
+        return PromptSource(
             self.dataset, start_index=self.start_index, max_epochs=self.max_epochs, skip=self.skip_prompts
         )
-        group_id = 0
-        for draw in source.draws(self.filter_prompt):
-            if max_groups is not None and group_id >= max_groups:
-                break
-            if not draw.accepted:
-                if on_group is not None:
-                    on_group(GroupOutcome(draw.row_index, draw.epoch, -1, False, "filtered", 0, None))
-                continue
-            if self._on_draw is not None:  # before any of its samples exists: the prompt is in flight
-                self._on_draw(draw.row_index, draw.epoch)
-            columns = {k: [v] * self.config.num_generations for k, v in draw.row.items() if k != "prompt"}
-            group = RolloutGroup(
-                [], columns, [], [], [], [], [], 0, group_id, draw.row_index, [], [], epoch=draw.epoch
-            )
-            tasks = []
-            for generation in range(self.config.num_generations):
-                await self.controller.acquire()
-                self._tasks.raise_failure()  # a rollout failed: send nothing more to the server
-                if not tasks:
-                    group.model_version = int(policy_version())
-                    POLICY_VERSION.set(group.model_version)  # copied into the group's tasks: their requests
-                if self.config.seed is not None:
-                    REQUEST_SEEDS.set(RequestSeeds(self.config.seed, draw.epoch, draw.row_index, generation))
-                tasks.append(self._tasks.spawn(self._run_rollout(draw.row, group_id)))
-            self._collectors.add(
-                self._tasks.spawn(
-                    self._collect_group(tasks, group, queue, policy_version, on_group), fatal=True
-                )
-            )
-            self._collectors = {c for c in self._collectors if not c.done()}
-            group_id += 1
-        await asyncio.gather(*self._collectors)
-        await queue.put(None)
 
     def _metric_snapshot(self, queue: asyncio.Queue) -> dict[str, float]:
         out = self.metrics.flush()
-        out.update(self.controller.metrics())
-        out["rollout/vllm_retry_total"] = float(self.client.retry_total)
+        out.update(self.pool.metrics())
+        out["rollout/vllm_retry_total"] = float(self.pool.retry_total)
+        out["rollout/groups_redispatched_total"] = float(self._dispatch.redispatched)
         out["rollout/score_queue_size"] = float(queue.qsize())
         return out
 
     async def _push_metrics(self, queue: asyncio.Queue, metrics_sink: Callable[[dict], Any]) -> None:
+        """Push once as soon as the first group is scored (a short run's first logged step then carries the
+        rollout side too), then every `metrics_interval_s`."""
+        first_by = time.monotonic() + self.config.metrics_interval_s
+        while time.monotonic() < first_by and not (self.metrics.group_rewards or self.metrics.groups_dropped):
+            await asyncio.sleep(0.05)
+        metrics_sink(self._metric_snapshot(queue))
         while True:
             await asyncio.sleep(self.config.metrics_interval_s)
             metrics_sink(self._metric_snapshot(queue))
@@ -341,6 +273,7 @@ class AsyncRolloutLoop:
         metrics_sink: Callable[[dict[str, float]], Any] | None = None,
         max_groups: int | None = None,
         on_draw: Callable[[int, int], None] | None = None,
+        on_server: Callable[[ServerEvent], None] | None = None,
     ) -> None:
         """Produce samples until the dataset's epochs or `max_groups` run out (cancel the task to stop).
 
@@ -350,22 +283,26 @@ class AsyncRolloutLoop:
         once at the end. `policy_version()` is read when a group's first rollout is dispatched.
         `on_draw(row_index, epoch)` is called when an accepted prompt's group is dispatched, before
         `on_group` reports its outcome (a trainer's resume position must know prompts still in flight).
+        `on_server(ServerEvent)` is for a caller that syncs the servers' weights (the trainer): with it, a
+        server takes groups only while its weight label shows the published policy version or newer, and
+        one that falls behind (a restart, a missed push) is reported as `resync` for the caller to re-sync.
         """
-        self._on_draw = on_draw
-        await self._prepare()
+        await self._prepare(policy_version, on_server)
         queue: asyncio.Queue = asyncio.Queue(self.config.score_queue_maxsize)
-        self._tasks, self._collectors = RolloutTasks(), set()
+        self._tasks = RolloutTasks()
+        self._dispatch = GroupDispatch(
+            config=self.config, draws=iter(self._source().draws(self.filter_prompt)), pool=self.pool,
+            tasks=self._tasks, metrics=self.metrics, run_rollout=self._run_rollout, queue=queue,
+            policy_version=policy_version, on_group=on_group, on_draw=on_draw, max_groups=max_groups,
+        )  # fmt: skip
         spawn = self._tasks.spawn
         try:
             await self.setup()
-            watched = {
-                self._tasks.failed,
-                spawn(self.controller.poll(self.client.load, self.config.metrics_poll_interval_s)),
-            }
+            watched = {self._tasks.failed, *(spawn(server.watch()) for server in self.pool.servers)}
             if metrics_sink is not None:
                 watched.add(spawn(self._push_metrics(queue, metrics_sink)))
             scorer = spawn(self._scoring.run(queue, sink, on_group))
-            watched |= {scorer, spawn(self._dispatch(queue, policy_version, on_group, max_groups))}
+            watched |= {scorer, spawn(self._dispatch.run())}
             while (
                 not scorer.done()
             ):  # any failure (a rollout, dispatch, scoring, a sink, the poller) ends the run

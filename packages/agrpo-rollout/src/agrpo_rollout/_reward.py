@@ -5,6 +5,11 @@ returns a list with one float or None per rollout; sync functions run in the too
 ones on the loop, all functions of a group concurrently. `None` (and NaN) exclude that source for that
 rollout; so do +-inf and values beyond float32's range (`exclude_unusable`, counted by the caller as
 `rollout/rewards_nonfinite_total`, see `_group.usable_rewards`); a rollout no source scored gets NaN.
+
+A function that raises ends the run with its own exception and a note naming it and the fix (return None
+for what it cannot score). It is not turned into a silent exclusion: a source that fails, often on every
+group (a misnamed column, a verifier that cannot start), would leave training on the other sources alone,
+or on nothing, with no sign of it; None is the per-rollout opt-out a function chooses on purpose.
 Does not know advantages or environments (their rewards arrive as extra columns).
 """
 
@@ -20,6 +25,13 @@ from typing import Any
 import numpy as np
 
 from ._group import usable_rewards
+
+RAISED_NOTE = (
+    "reward function {name!r} raised, which stops the run (a failing source would otherwise change what is "
+    "optimised unseen). Fix it, or make it return None for the completions it cannot score: that leaves this "
+    "source out of those rollouts' rewards, and the other sources still count"
+)
+"""The note added to the exception of a reward function that raised."""
 
 
 def reward_name(func: Callable) -> str:
@@ -78,11 +90,18 @@ class RewardScorer:
         if len(set(self.names)) != len(self.names):
             raise ValueError(f"reward functions share names {self.names}; give each a distinct __name__")
 
-    async def _run_one(self, func: Callable, kwargs: dict[str, Any], executor: Executor | None) -> Any:
-        if inspect.iscoroutinefunction(func):
-            return await func(**kwargs)
-        result = await asyncio.get_running_loop().run_in_executor(executor, functools.partial(func, **kwargs))
-        return await result if inspect.isawaitable(result) else result
+    async def _run_one(
+        self, name: str, func: Callable, kwargs: dict[str, Any], executor: Executor | None
+    ) -> Any:
+        try:
+            if inspect.iscoroutinefunction(func):
+                return await func(**kwargs)
+            call = functools.partial(func, **kwargs)
+            result = await asyncio.get_running_loop().run_in_executor(executor, call)
+            return await result if inspect.isawaitable(result) else result
+        except Exception as error:
+            error.add_note(RAISED_NOTE.format(name=name))
+            raise
 
     async def score(
         self,
@@ -99,7 +118,9 @@ class RewardScorer:
             "completion_ids": completion_ids,
             **reward_kwargs,
         }
-        results = await asyncio.gather(*(self._run_one(f, kwargs, executor) for f in self.funcs))
+        results = await asyncio.gather(
+            *(self._run_one(n, f, kwargs, executor) for n, f in zip(self.names, self.funcs, strict=True))
+        )
         return {
             name: _reward_column(name, values, len(prompts))
             for name, values in zip(self.names, results, strict=True)
@@ -116,7 +137,8 @@ def _reward_column(name: str, values: Any, num_completions: int) -> np.ndarray:
     values = list(values)
     if len(values) != num_completions:
         raise ValueError(
-            f"reward function {name} returned {len(values)} values for {num_completions} completions"
+            f"reward function {name} returned {len(values)} values for {num_completions} completions; return "
+            "one float (or None) per completion, in the order of `completions`"
         )
     column = np.full(num_completions, np.nan)
     for i, value in enumerate(values):

@@ -6,7 +6,8 @@ takes any object with the client's `request` coroutine.
 
 What is read where:
 - `max_model_len` and the served names (LoRA adapters appear with a `parent`): `GET /v1/models`;
-- KV capacity: `kv_cache_size_tokens` of `vllm:cache_config_info` in `GET /metrics`;
+- KV capacity: `kv_cache_size_tokens` of `vllm:cache_config_info` in `GET /metrics`, and the process's start
+  time (`process_start_time_seconds`, its identity);
 - dtype, `--logprobs-mode`, `--max-logprobs`, `--return-sampling-mask`, LoRA limits:
   `GET /server_info?config_format=json` (only with `VLLM_SERVER_DEV_MODE=1`; unknown otherwise);
 - `--enable-scale-out`: `POST /inference/v1/generate` with an empty body answers 403 without it.
@@ -56,6 +57,8 @@ class ServerInfo:
     """`--max-loras`, None when LoRA is off or unknown."""
     lora_max_rank: int | None
     """`--max-lora-rank`, None when LoRA is off or unknown."""
+    started_at: float | None = None
+    """When the server's API process started (`process_start_time_seconds` of `/metrics`); None: not exported."""
 
     @property
     def uses_generate_endpoint(self) -> bool:
@@ -162,6 +165,7 @@ async def probe_server(client: Any, config: RolloutConfig) -> ServerInfo:
         scale_out=probe.status_code in (400, 422),
         lora_max_loras=max_loras,
         lora_max_rank=max_rank,
+        started_at=load.started_at if load is not None else None,
     )
     if not vllm_config:
         logger.warning(

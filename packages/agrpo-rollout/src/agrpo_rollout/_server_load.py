@@ -2,8 +2,10 @@
 
 Owns the Prometheus names vLLM exports and how several engines (data parallel) or API servers
 combine: running and waiting requests and preemptions are summed, KV-cache usage is the maximum,
-KV capacity (`kv_cache_size_tokens` of `vllm:cache_config_info`) is summed. Does not know what the
-numbers are used for (`_concurrency.py`). Parsing uses prometheus_client's text parser.
+KV capacity (`kv_cache_size_tokens` of `vllm:cache_config_info`) is summed. Also the API server process's
+start time (`process_start_time_seconds`, prometheus_client's process collector), which identifies the
+process: a restarted server shows another one (`_pooled_server.py`). Does not know what the numbers are
+used for (`_concurrency.py`). Parsing uses prometheus_client's text parser.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ _WAITING = "vllm:num_requests_waiting"
 _KV_USAGE = "vllm:kv_cache_usage_perc"
 _PREEMPTIONS = "vllm:num_preemptions"
 _CACHE_INFO = "vllm:cache_config_info"
+_STARTED = "process_start_time_seconds"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -33,6 +36,8 @@ class ServerLoad:
     """Preemptions since the server started, summed over engines (a counter)."""
     kv_cache_tokens: int | None
     """Tokens the KV cache holds, summed over engines; None when the server does not export it."""
+    started_at: float | None = None
+    """When the API server process started (Unix seconds); None when not exported (several API servers)."""
 
     @classmethod
     def from_text(cls, text: str) -> ServerLoad | None:
@@ -40,6 +45,7 @@ class ServerLoad:
         running = waiting = preemptions = 0.0
         kv_usage = 0.0
         kv_tokens: int | None = None
+        started: float | None = None
         seen = False
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
@@ -53,6 +59,8 @@ class ServerLoad:
                     preemptions += sample.value
                 elif sample.name == _CACHE_INFO:
                     kv_tokens = (kv_tokens or 0) + _capacity_tokens(sample.labels)
+                elif sample.name == _STARTED:
+                    started = float(sample.value)
         if not seen:
             return None
         return cls(
@@ -61,6 +69,7 @@ class ServerLoad:
             kv_cache_usage=float(kv_usage),
             preemptions_total=int(preemptions),
             kv_cache_tokens=kv_tokens,
+            started_at=started,
         )
 
 

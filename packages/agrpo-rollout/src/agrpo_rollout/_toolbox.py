@@ -3,9 +3,11 @@
 Owns tool registration by `__name__`, schema extraction (transformers' `get_json_schema`, so tools
 need type hints and a Google-style docstring), and execution: calls of one assistant turn run one
 after another in the order the model emitted them; sync tools run in the caller's thread pool so a
-slow tool never stalls the event loop, async tools run on the loop. An unknown name or a raising
-tool becomes a tool message the model sees, never an exception. Does not know chat templates or
-metrics (it returns `ToolOutcome`s; the loop counts them).
+slow tool never stalls the event loop, async tools run on the loop. An unknown name, a raising tool
+or a call still running after `timeout_s` becomes a tool message the model sees, never an exception
+(a timed-out async tool is cancelled; a sync tool's thread cannot be stopped, so it finishes in the
+pool and its result is dropped). Does not know chat templates or metrics (it returns `ToolOutcome`s;
+the loop counts them).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class ToolOutcome:
     content: str
     """The tool message content: the result as text, or the error."""
     failed: bool
-    """True when the tool raised or the name was unknown."""
+    """True when the tool raised, did not return in time, or the name was unknown."""
     unknown: bool
     """True when no tool has that name (a policy error, not a tool error)."""
     latency_s: float
@@ -103,10 +105,25 @@ class Toolbox:
         )
         return await result if inspect.isawaitable(result) else result
 
+    async def _result(
+        self, name: str, tool: Callable, arguments: dict[str, Any], executor: Executor | None, timeout_s: float | None
+    ) -> tuple[str, bool]:
+        """(tool message content, failed) of one call."""
+        try:
+            async with asyncio.timeout(timeout_s) as limit:
+                return _as_text(await self._call(tool, arguments, executor)), False
+        except TimeoutError as exc:
+            if limit.expired():
+                return f"Error: TimeoutError: tool {name!r} did not return within {timeout_s:g} s", True
+            return f"Error: TimeoutError: {exc}", True  # the tool's own timeout
+        except Exception as exc:  # noqa: BLE001 - a tool's error is shown to the model (SPEC F-ROLL)
+            return f"Error: {type(exc).__name__}: {exc}", True
+
     async def run(
-        self, calls: Sequence[dict[str, Any]], executor: Executor | None = None
+        self, calls: Sequence[dict[str, Any]], executor: Executor | None = None, timeout_s: float | None = None
     ) -> list[ToolOutcome]:
-        """Run one assistant turn's calls in the order given and return one outcome per call."""
+        """Run one assistant turn's calls in the order given and return one outcome per call; a call still
+        running after `timeout_s` seconds (None: no limit) becomes an error message."""
         outcomes = []
         for call in calls:
             name, arguments = call["function"]["name"], call["function"]["arguments"]
@@ -118,9 +135,6 @@ class Toolbox:
                 )
                 continue
             start = time.perf_counter()
-            try:
-                content, failed = _as_text(await self._call(tool, arguments, executor)), False
-            except Exception as exc:  # noqa: BLE001 - a tool's error is shown to the model (SPEC F-ROLL)
-                content, failed = f"Error: {type(exc).__name__}: {exc}", True
+            content, failed = await self._result(name, tool, arguments, executor, timeout_s)
             outcomes.append(ToolOutcome(name, content, failed, False, time.perf_counter() - start))
         return outcomes

@@ -12,6 +12,7 @@ from ._disk_backend import DiskBackend
 from ._exceptions import (
     ManifestMismatchError,
     ServerRequestError,
+    ServerUnreachableError,
     SyncSetupError,
     TransferFailedError,
     TransportError,
@@ -23,8 +24,9 @@ from ._nccl_transport import NcclTransport
 from ._param_stream import ParamStream
 from ._registry import BACKENDS
 from ._server_control import ServerControl, ServerInfo
+from ._sync_timings import SyncTimings
 from ._transport import ChunkTransport
-from ._weight_sync import SyncTimings, WeightSync
+from ._weight_sync import WeightSync
 from ._wire_format import ChunkPlan, TensorMeta, pack_chunk, plan_chunks, unpack_chunk, update_info
 
 try:
@@ -46,6 +48,7 @@ __all__ = [
     "ServerControl",
     "ServerInfo",
     "ServerRequestError",
+    "ServerUnreachableError",
     "SyncBackend",
     "SyncSetupError",
     "SyncTimings",

@@ -39,10 +39,11 @@ NON_TEXT_MODULES = (
 
 @dataclass(kw_only=True, slots=True)
 class WeightSyncConfig:
-    """How the trainer pushes its weights to one vLLM server."""
+    """How the trainer pushes its weights to one vLLM server, or to several."""
 
-    base_url: str
-    """The server's root URL, e.g. `http://127.0.0.1:8000` (started with `VLLM_SERVER_DEV_MODE=1`)."""
+    base_url: str | list[str]
+    """The server's root URL, e.g. `http://127.0.0.1:8000` (started with `VLLM_SERVER_DEV_MODE=1`), or a list
+    of several servers serving the same model: every sync goes to each of them."""
     output_dir: str
     """The run's output directory; LoRA adapter versions go under `<output_dir>/.vllm_lora/`."""
     backend: str = "nccl"
@@ -92,10 +93,13 @@ class WeightSyncConfig:
         _check_choice("lora_sync", self.lora_sync, LORA_SYNC_MODES)
         _check_choice("pause_mode", self.pause_mode, PAUSE_MODES)
         _check_choice("transfer_dtype", self.transfer_dtype, TRANSFER_DTYPES)
-        if not self.base_url.startswith(("http://", "https://")):
+        urls = self.server_urls
+        if not urls or not all(url.startswith(("http://", "https://")) for url in urls):
             raise SyncSetupError(
-                f"base_url={self.base_url!r}; give the server's URL, e.g. 'http://host:8000'"
+                f"base_url={self.base_url!r}; give the server's URL, e.g. 'http://host:8000', or a list of them"
             )
+        if len(set(urls)) < len(urls):
+            raise SyncSetupError(f"base_url={list(urls)} names a server twice; list each server once")
         if not self.output_dir:
             raise SyncSetupError("output_dir is empty; set it to the run's output directory")
         if not LORA_NAME.fullmatch(self.lora_name) or ".." in self.lora_name:
@@ -110,6 +114,12 @@ class WeightSyncConfig:
                 raise SyncSetupError(f"{name}={getattr(self, name)}; use a positive value")
         if self.http_timeout_s <= 0 or self.transfer_timeout_s <= 0:
             raise SyncSetupError("http_timeout_s and transfer_timeout_s must be positive seconds")
+
+    @property
+    def server_urls(self) -> tuple[str, ...]:
+        """`base_url` as a tuple of roots without a trailing slash (one entry for one server)."""
+        urls = [self.base_url] if isinstance(self.base_url, str) else self.base_url
+        return tuple(str(url).rstrip("/") for url in urls)
 
     @property
     def lora_dir(self) -> Path:

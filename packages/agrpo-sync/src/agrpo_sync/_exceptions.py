@@ -9,6 +9,7 @@ and name the fix; errors about something that went wrong while talking to the se
     RuntimeError
     └── WeightSyncError          a weight sync could not be completed
         ├── ServerRequestError   an HTTP call to the server failed (endpoint, status, body)
+        │   └── ServerUnreachableError  not even a fresh connection reaches it: its process is gone
         ├── TransportError       the NCCL (or test) transport failed: library, rendezvous, collective
         └── TransferFailedError  a transfer failed; says what the server serves and whether it was left paused
             └── ManifestMismatchError  refused before pausing: missing, extra or misshapen tensors
@@ -34,6 +35,11 @@ class ServerRequestError(WeightSyncError):
         self.detail = detail
         seen = f"HTTP {status}" if status is not None else "no answer"
         super().__init__(f"{endpoint}: {seen}: {detail}")
+
+
+class ServerUnreachableError(ServerRequestError):
+    """A call failed at transport level and a fresh connection to the server fails too: its process is gone
+    (or not up yet). With several servers, a sync leaves such a server out and goes on with the others."""
 
 
 class TransportError(WeightSyncError):

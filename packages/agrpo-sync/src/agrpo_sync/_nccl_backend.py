@@ -18,12 +18,20 @@ version label, and the server's layers mix two versions (`mixed`) until a comple
 says so with `resend=True`, and `WeightSync` re-sends at once (the next `send` re-joins with a fresh
 unique id). A server whose `/update_weights` never answered may be stuck inside NCCL: only a restart
 clears it, and `recover` says so. Each `send` is bounded as a whole by `transfer_timeout_s`.
+
+Several servers: one NCCL group per server (`NcclLink`), and `WeightSync` makes one pass per server (one
+gather, one broadcast each; `fans_out` is False). One group spanning every server would send the bytes
+once, but it couples them: a server that dies mid-broadcast stalls the others inside NCCL until they are
+restarted. A server that restarted is rejoined with a new rendezvous (`rejoin`: the trainer's half of the
+old group is aborted and the next send joins a fresh one; a restarted process has no group to shut down),
+and one that stops answering during its send is reported lost (its group aborted) while the others go on.
 """
 
 from __future__ import annotations
 
 import base64
 import time
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -31,7 +39,7 @@ import torch
 from ._backend import Recovery
 from ._background_call import BackgroundCall
 from ._config import WeightSyncConfig
-from ._exceptions import ServerRequestError, TransportError
+from ._exceptions import ServerRequestError, ServerUnreachableError, SyncSetupError, TransportError
 from ._nccl_transport import NcclTransport
 from ._param_stream import ParamStream
 from ._server_control import ServerControl, ServerInfo
@@ -60,13 +68,8 @@ RESEND_FIX = (
 )
 
 
-class NcclBackend:
+class NcclLink:
     """Sends full weights as packed uint8 chunks over NCCL to every worker of one vLLM server."""
-
-    name: ClassVar[str] = "nccl"
-    pauses: ClassVar[bool] = True
-    view: ClassVar[str] = "full"
-    stages: ClassVar[bool] = False
 
     def __init__(
         self, *, control: ServerControl, transport: ChunkTransport, config: WeightSyncConfig
@@ -83,24 +86,10 @@ class NcclBackend:
         self.chunks_sent = 0
         self.num_chunks = 0
         self._started = False
+        self._fresh_server = False
+        """The server restarted: it has no group to shut down before the next rendezvous."""
         self._update: BackgroundCall | None = None
         self._deadline: float | None = None
-
-    @classmethod
-    def from_config(cls, config: WeightSyncConfig, control: ServerControl, transport: ChunkTransport | None):
-        if transport is None:
-            transport = NcclTransport(
-                library_path=config.nccl_library,
-                device_index=config.device_index,
-                num_slots=config.packed_num_buffers,
-            )
-        return cls(control=control, transport=transport, config=config)
-
-    def stage(self, stream: ParamStream, version: int) -> None:
-        """Nothing to write ahead: the chunks are gathered and broadcast during the pause."""
-
-    def setup(self, model: torch.nn.Module, stream: ParamStream, info: ServerInfo) -> None:
-        self.connect()
 
     def connect(self) -> None:
         """Join the server's NCCL group as rank 0 (the server's half runs on a background thread)."""
@@ -140,7 +129,10 @@ class NcclBackend:
         plans = plan_chunks(metas, self.buffer_size_bytes)
         self.chunks_sent, self.num_chunks, self._update = 0, len(plans), None
         self._deadline = time.monotonic() + self.timeout_s
-        if not self.connected:
+        if not self.connected and self._fresh_server:
+            self.connect()
+            self._fresh_server = False
+        elif not self.connected:
             self._reconnect()
         self.control.start_weight_update()
         self._started = True
@@ -175,6 +167,26 @@ class NcclBackend:
                 self.chunks_sent += 1  # counted once attempted: a failed broadcast leaves the group suspect
                 self.transport.broadcast(chunk)
             in_flight[slot] = (chunk, tensors)
+
+    def rejoin(self) -> None:
+        """The server restarted (or was left out): drop the trainer's half of the old group; the next send
+        joins a fresh one. A same process that missed syncs still has its half: shut it down first."""
+        if self.connected:
+            self.transport.abort()
+            self.connected = False
+        self._started, self.mixed = False, False
+        try:
+            self.control.shutdown_weight_transfer()
+        except ServerUnreachableError:
+            raise
+        except ServerRequestError:  # a restarted process has no group to shut down
+            pass
+        self._fresh_server = True
+
+    def drop(self) -> None:
+        """The server stopped answering mid-send: abort the group (it is rejoined once the server answers)."""
+        self.transport.abort()
+        self.connected, self._started = False, False
 
     def _reconnect(self) -> None:
         """After a failed transfer: drop the server's half of the old group, then join a fresh one."""
@@ -228,11 +240,81 @@ class NcclBackend:
             resume_as_is=True,
         )
 
-    def served_model(self, version: int) -> str | None:
-        return None
-
     def close(self) -> None:
         if self.connected:
             self.transport.close()
             self.control.shutdown_weight_transfer()
             self.connected = False
+
+
+class NcclBackend:
+    """One `NcclLink` per server; each `send` goes to one of them (`WeightSync` makes one pass per server)."""
+
+    name: ClassVar[str] = "nccl"
+    pauses: ClassVar[bool] = True
+    view: ClassVar[str] = "full"
+    stages: ClassVar[bool] = False
+    fans_out: ClassVar[bool] = False
+
+    def __init__(self, links: list[NcclLink]) -> None:
+        self.links = links
+        self._active = 0
+
+    @property
+    def link(self) -> NcclLink:
+        """The link of the last send (the only one with one server)."""
+        return self.links[self._active]
+
+    @classmethod
+    def from_config(
+        cls,
+        config: WeightSyncConfig,
+        controls: list[ServerControl],
+        transport: ChunkTransport | Callable[[], ChunkTransport] | None,
+    ):
+        if transport is not None and not callable(transport) and len(controls) > 1:
+            raise SyncSetupError(
+                "one transport was given for several servers; pass a callable that makes one per server"
+            )
+
+        def make() -> ChunkTransport:
+            if transport is None:
+                return NcclTransport(
+                    library_path=config.nccl_library,
+                    device_index=config.device_index,
+                    num_slots=config.packed_num_buffers,
+                )
+            return transport() if callable(transport) else transport
+
+        return cls([NcclLink(control=control, transport=make(), config=config) for control in controls])
+
+    def stage(self, stream: ParamStream, version: int) -> None:
+        """Nothing to write ahead: the chunks are gathered and broadcast during the pause."""
+
+    def setup(self, model: torch.nn.Module, stream: ParamStream, infos: list[ServerInfo]) -> None:
+        for link in self.links:
+            link.connect()
+
+    def send(self, stream: ParamStream, version: int, targets: list[int]) -> set[int]:
+        """Broadcast to the one server of this pass; a server that stopped answering is reported lost."""
+        (self._active,) = targets
+        try:
+            self.link.send(stream, version)
+        except ServerUnreachableError:
+            self.link.drop()
+            stream.drain()
+            return {self._active}
+        return set()
+
+    def rejoin(self, index: int) -> None:
+        self.links[index].rejoin()
+
+    def recover(self) -> Recovery:
+        return self.link.recover()
+
+    def served_model(self, version: int) -> str | None:
+        return None
+
+    def close(self) -> None:
+        for link in self.links:
+            link.close()

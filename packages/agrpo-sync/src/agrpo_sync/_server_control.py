@@ -1,8 +1,12 @@
 """`ServerControl`: the HTTP control plane of one vLLM server, as agrpo-sync uses it; and `ServerInfo`.
 
-Owns the endpoints (dev mode: pause/resume, weight transfer, `collective_rpc`, `server_info`; runtime
-LoRA: load/unload adapter), their timeouts, and turning every failure into a `ServerRequestError` that
-names the endpoint, the status and the body. Does not know NCCL, models or when a sync happens.
+Owns the endpoints (dev mode: pause/resume, weight transfer, `collective_rpc`, `server_info`, the weight
+label; runtime LoRA: load/unload adapter), their timeouts, and turning every failure into a
+`ServerRequestError` that names the endpoint, the status and the body; a call that failed at transport
+level is followed by one `GET /health` on a fresh connection, and when that cannot connect either the
+error is a `ServerUnreachableError` (the process is gone: a sync to several servers leaves it out). A
+timeout is never "unreachable": a server stuck in a transfer still holds its port. Does not know NCCL,
+models or when a sync happens.
 
 vLLM 0.32 and 0.33 take the same bodies for every call made here; the one difference that matters
 (0.33 accepts empty `update_weights` lists as "same metadata as last time") is not used: full lists
@@ -18,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from ._exceptions import ServerRequestError
+from ._exceptions import ServerRequestError, ServerUnreachableError
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -99,24 +103,34 @@ class ServerControl:
         try:
             response = client.request(method, path, **kwargs)
         except httpx.HTTPError as error:
-            self._renew(blocking)
-            raise ServerRequestError(f"{method} {path}", None, f"{type(error).__name__}: {error}") from error
+            self.renew_connections()  # the process may be gone, and every pooled connection with it
+            detail = f"{type(error).__name__}: {error}"
+            timed_out = isinstance(error, httpx.TimeoutException) and not isinstance(error, httpx.ConnectTimeout)
+            if not timed_out and not self.answers():
+                raise ServerUnreachableError(f"{method} {self.base_url}{path}", None, detail) from error
+            raise ServerRequestError(f"{method} {path}", None, detail) from error
         if response.status_code >= 500:
-            self._renew(blocking)  # the server may close this connection after an internal error
+            self.renew_connections()  # the server may close this connection after an internal error
+        if 300 <= response.status_code < 400:
+            raise ServerRequestError(
+                f"{method} {path}",
+                response.status_code,
+                f"a redirect to {response.headers.get('location')!r}; agrpo-sync never follows redirects (control "
+                "calls go to the configured server only): set base_url to the server itself",
+            )
         if response.status_code >= 400:
             raise ServerRequestError(f"{method} {path}", response.status_code, response.text[:2000])
         return response
 
-    def _renew(self, blocking: bool) -> None:
-        """Replace the client a failed call used, so no later call reuses its (possibly closed) connection."""
-        if blocking:
-            old, self._blocking = (
-                self._blocking,
-                httpx.Client(base_url=self.base_url, timeout=self.transfer_timeout_s),
-            )
-        else:
-            old, self._client = self._client, httpx.Client(base_url=self.base_url, timeout=self.timeout_s)
-        old.close()
+    def answers(self) -> bool:
+        """Whether a fresh connection reaches the server (any answer to `GET /health`, even a slow one)."""
+        try:
+            self._client.get("/health", timeout=min(5.0, self.timeout_s))
+        except (httpx.ConnectError, httpx.ConnectTimeout):
+            return False
+        except httpx.HTTPError:  # it accepted the connection: it is there, if unwell
+            return True
+        return True
 
     def _json(self, method: str, path: str, **kwargs: Any) -> Any:
         response = self._call(method, path, **kwargs)

@@ -1,11 +1,14 @@
-"""Start-up decisions of a weight sync: which backend serves this model, and what to warn about.
+"""Start-up of a weight sync: which backend serves this model on these servers, and what to warn about.
 
-Owns choosing the backend (full weights over `nccl` or `disk`; for a PEFT model, adapter-only when the
+Owns the start-up sequence of the sending rank (`start_sender`: one `ServerControl` per server, their
+`ServerInfo`, the backend, the manifest, the backend's setup), choosing the backend (full weights over `nccl` or `disk`; for a PEFT model, adapter-only when the
 server can serve it and `lora_sync` allows, merged weights otherwise) and the start-up checks of a
 full-weight sync: the server's transfer flag (an error naming the flag), a dtype mismatch (a warning)
 and a tied embedding on a CPU server (a warning: vLLM 0.32's CPU backend prepacks the tied `lm_head`
 at load and its in-place reload never re-processes it, so embedding updates reach the input side only;
-GPU servers have no such copy). Does not know how anything is sent.
+GPU servers have no such copy). With several servers every one is checked, and they must all take the
+same backend (under `lora_sync="auto"`, one that cannot serve adapters makes all of them take merged
+weights). Does not know how anything is sent.
 """
 
 from __future__ import annotations
@@ -16,28 +19,32 @@ import torch
 
 from ._config import WeightSyncConfig
 from ._exceptions import SyncSetupError
-from ._lora_backend import adapter_problems, check_adapter_server, lora_config_of
+from ._lora_limits import adapter_problems, check_adapter_server, lora_config_of
 from ._lora_weights import has_lora
+from ._manifest import Manifest
 from ._param_stream import ParamStream
-from ._server_control import ServerInfo
+from ._registry import BACKENDS
+from ._server_control import ServerControl, ServerInfo
 
 logger = logging.getLogger("agrpo_sync")
 
 
-def choose_backend(config: WeightSyncConfig, model: torch.nn.Module, info: ServerInfo) -> str:
-    """`lora` for adapter-only sync of a PEFT model when allowed and possible, else `config.backend`."""
+def choose_backend(config: WeightSyncConfig, model: torch.nn.Module, infos: list[ServerInfo]) -> str:
+    """`lora` for adapter-only sync of a PEFT model when allowed and every server can serve it, else
+    `config.backend`."""
     if not has_lora(model) or config.lora_sync == "merged":
         return config.backend
     lora_config = lora_config_of(model)
     if config.lora_sync == "adapter":
-        check_adapter_server(info, lora_config, config.max_staleness)
+        for info in infos:
+            check_adapter_server(info, lora_config, config.max_staleness)
         return "lora"
-    problems = adapter_problems(info, lora_config, config.max_staleness)
+    problems = [p for info in infos for p in adapter_problems(info, lora_config, config.max_staleness)]
     if problems:
         logger.warning(
             "LoRA: pushing merged weights over %s; adapter sync is off: %s",
             config.backend,
-            "; ".join(problems),
+            "; ".join(dict.fromkeys(problems)),
         )
         return config.backend
     return "lora"
@@ -79,3 +86,34 @@ def check_full_sync(
             "server",
             info.version,
         )
+
+
+def start_sender(sync_cls: type, config: WeightSyncConfig, model: torch.nn.Module, transport, world_size: int):
+    """The sending rank's `WeightSync`: every server checked, the backend chosen and set up (e.g. the NCCL
+    rendezvous with each server), the manifest of what the servers hold."""
+    controls = [
+        ServerControl(url, timeout_s=config.http_timeout_s, transfer_timeout_s=config.transfer_timeout_s)
+        for url in config.server_urls
+    ]
+    infos = [control.server_info() for control in controls]
+    name = choose_backend(config, model, infos)
+    backend = BACKENDS[name].from_config(config, controls, transport)
+    sync = sync_cls(
+        config=config, backend_name=name, backend=backend, controls=controls, rank=0, world_size=world_size
+    )
+    stream = sync.param_stream(model)
+    if backend.view == "full":
+        for info in infos:
+            check_full_sync(config, info, model, stream)
+        sync.manifest = Manifest.from_weight_info(controls[0].weight_info()) or Manifest.from_checkpoint(
+            infos[0].model_root
+        )
+    backend.setup(model, stream, infos)
+    logger.info(
+        "weight sync: %s backend, %d tensors, %.3f GB per sync, %d server(s)",
+        name,
+        len(stream.entries),
+        stream.nbytes / 1e9,
+        len(controls),
+    )
+    return sync

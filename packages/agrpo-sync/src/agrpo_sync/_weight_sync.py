@@ -1,13 +1,21 @@
-"""`WeightSync`: what the trainer calls every `weight_sync_steps` to push its policy to the vLLM server.
+"""`WeightSync`: what the trainer calls every `weight_sync_steps` to push its policy to the vLLM servers.
 
 Owns one sync from the trainer's side: check what will be sent against the server's manifest
 (`_manifest.py`; refused before pausing), stage what can be written before the pause (the disk
-checkpoint), pause generation (mode `keep` by default), line the trainer ranks up, send through the
-chosen backend (only rank 0 talks to the server; every rank joins the bucketed FSDP2 gather), resume,
+checkpoint), pick the servers it goes to (`ServerRoster`: a restarted one is rejoined, one that does not
+answer is left out), pause generation (mode `keep` by default), line the trainer ranks up, send through
+the chosen backend (only rank 0 talks to the servers; every rank joins the bucketed FSDP2 gather), resume,
 and time the parts as `perf/weight_sync_s`, `_stage_s`, `_pause_s`, `_barrier_s`, `_transfer_s`,
-`_generation_paused_s`. One sync at a time: a call from a second thread while one runs is refused.
-Also owns the start-up sequence (backend choice and checks are in `_start_checks.py`). Does not know
-the wire format, HTTP details or how each backend moves bytes.
+`_generation_paused_s` (`SyncTimings`). One sync at a time: a call from a second thread while one runs is
+refused. Also owns the start-up sequence (backend choice and checks are in `_start_checks.py`). Does not
+know the wire format, HTTP details or how each backend moves bytes.
+
+Several servers: a backend that `fans_out` (disk: the checkpoint is written once and every server reloads
+it, in parallel; LoRA: the adapter is written once and loaded on each) makes one pass over the weights;
+NCCL makes one pass per server (one gather and one broadcast each; every server has its own NCCL group, so
+a server that dies cannot stall the others' transfer). A server that stops accepting connections during a
+sync is left out of it and the sync goes on; the version counts as served by the servers that got it
+(`members`), and the others are rejoined when they answer again.
 
 Failures are loud and safe, and generation resumes only on weights known to be one version. When a
 send fails, the backend restores the last good version where it can (`Recovery`). If it could not but
@@ -24,6 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,13 +41,15 @@ import torch.distributed as dist
 
 from ._backend import Recovery, SyncBackend
 from ._config import WeightSyncConfig
-from ._exceptions import ManifestMismatchError, ServerRequestError, TransferFailedError, WeightSyncError
+from ._exceptions import ManifestMismatchError, TransferFailedError, WeightSyncError
 from ._lora_weights import adapter_entries, has_lora, merged_entries
 from ._manifest import Manifest
 from ._param_stream import ParamStream, plain_entries
 from ._registry import BACKENDS
 from ._server_control import ServerControl
-from ._start_checks import check_full_sync, choose_backend
+from ._server_roster import ServerRoster
+from ._start_checks import start_sender
+from ._sync_timings import SyncTimings
 from ._transport import ChunkTransport
 
 logger = logging.getLogger("agrpo_sync")
@@ -55,40 +66,6 @@ class _Failure:
     recovery: Recovery
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SyncTimings:
-    """Wall-clock parts of one sync on the calling rank, in seconds."""
-
-    weight_sync_s: float
-    """Everything the trainer waits for: stage, pause, barrier, transfer, resume."""
-    stage_s: float
-    """Before generation pauses: the pre-flight check and what the backend writes ahead (the disk checkpoint)."""
-    pause_s: float
-    barrier_s: float
-    transfer_s: float
-    """Gather, send, and the server loading the weights (its `finish` or reload included)."""
-    generation_paused_s: float
-    """How long generation was paused, from the `/pause` request to the `/resume` answer (0 without a pause)."""
-    num_bytes: int
-    """Bytes sent (0 on ranks that only joined the gather)."""
-    peak_gather_bytes: int
-    """Largest bucket of full tensors this rank held at once, in bytes (bounded by `gather_bucket_bytes`
-    unless one tensor is larger)."""
-    retries: int = 0
-    """Complete re-sends after a failed attempt left the server's weights mixed (0 or 1)."""
-
-    def metrics(self) -> dict[str, float]:
-        return {
-            "perf/weight_sync_s": self.weight_sync_s,
-            "perf/weight_sync_stage_s": self.stage_s,
-            "perf/weight_sync_pause_s": self.pause_s,
-            "perf/weight_sync_barrier_s": self.barrier_s,
-            "perf/weight_sync_transfer_s": self.transfer_s,
-            "perf/weight_sync_retries": float(self.retries),
-            "perf/weight_sync_generation_paused_s": self.generation_paused_s,
-        }
-
-
 def _ranks() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -96,7 +73,7 @@ def _ranks() -> tuple[int, int]:
 
 
 class WeightSync:
-    """Pushes the trainer's weights to one vLLM server; build it with `WeightSync.start`."""
+    """Pushes the trainer's weights to its vLLM servers; build it with `WeightSync.start`."""
 
     def __init__(
         self,
@@ -104,7 +81,7 @@ class WeightSync:
         config: WeightSyncConfig,
         backend_name: str,
         backend: SyncBackend | None,
-        control: ServerControl | None,
+        controls: list[ServerControl],
         rank: int,
         world_size: int,
     ) -> None:
@@ -112,7 +89,9 @@ class WeightSync:
         self.backend_name = backend_name
         self.backend = backend
         """Set on the sending rank (0) only."""
-        self.control = control
+        self.controls = controls
+        """One per server, on the sending rank (empty elsewhere)."""
+        self.roster = ServerRoster(controls)
         self.rank = rank
         self.world_size = world_size
         self._bytes_sent = 0
@@ -126,13 +105,23 @@ class WeightSync:
     def is_sender(self) -> bool:
         return self.rank == 0
 
+    @property
+    def control(self) -> ServerControl | None:
+        """The first server's control (the only one with one server); None on the other ranks."""
+        return self.controls[0] if self.controls else None
+
     @classmethod
     def start(
-        cls, config: WeightSyncConfig, model: torch.nn.Module, *, transport: ChunkTransport | None = None
+        cls,
+        config: WeightSyncConfig,
+        model: torch.nn.Module,
+        *,
+        transport: ChunkTransport | Callable[[], ChunkTransport] | None = None,
     ):
-        """Check the server, choose the backend, and do its one-time setup (e.g. the NCCL rendezvous).
+        """Check the servers, choose the backend, and do its one-time setup (e.g. the NCCL rendezvous).
 
-        Call on every trainer rank. `transport` replaces the NCCL transport (tests use a gloo one).
+        Call on every trainer rank. `transport` replaces the NCCL transport (tests use a gloo one); with
+        several servers, pass a callable that makes one per server.
         """
         rank, world_size = _ranks()
         if rank != 0:
@@ -140,40 +129,14 @@ class WeightSync:
             if name is None:
                 raise WeightSyncError("rank 0 could not start the weight sync; its error says why")
             return cls(
-                config=config, backend_name=name, backend=None, control=None, rank=rank, world_size=world_size
+                config=config, backend_name=name, backend=None, controls=[], rank=rank, world_size=world_size
             )
         name = None
         try:
-            sync = cls._start_sender(config, model, transport, world_size)
+            sync = start_sender(cls, config, model, transport, world_size)
             name = sync.backend_name
         finally:
             cls._share(name, world_size)
-        return sync
-
-    @classmethod
-    def _start_sender(cls, config, model, transport, world_size) -> WeightSync:
-        control = ServerControl(
-            config.base_url, timeout_s=config.http_timeout_s, transfer_timeout_s=config.transfer_timeout_s
-        )
-        info = control.server_info()
-        name = choose_backend(config, model, info)
-        backend = BACKENDS[name].from_config(config, control, transport)
-        sync = cls(
-            config=config, backend_name=name, backend=backend, control=control, rank=0, world_size=world_size
-        )
-        stream = sync.param_stream(model)
-        if backend.view == "full":
-            check_full_sync(config, info, model, stream)
-            sync.manifest = Manifest.from_weight_info(control.weight_info()) or Manifest.from_checkpoint(
-                info.model_root
-            )
-        backend.setup(model, stream, info)
-        logger.info(
-            "weight sync: %s backend, %d tensors, %.3f GB per sync",
-            name,
-            len(stream.entries),
-            stream.nbytes / 1e9,
-        )
         return sync
 
     @staticmethod
@@ -200,7 +163,8 @@ class WeightSync:
     def sync(self, model: torch.nn.Module, version: int) -> SyncTimings:
         """Push `model`'s weights as `version`; call on every rank. Raises `TransferFailedError` on failure
         (`ManifestMismatchError` when the tensors differ from the server's, before anything is sent), and
-        `WeightSyncError` when another thread's sync is running."""
+        `WeightSyncError` when another thread's sync is running. A server that does not answer is left out
+        (`members` says which serve `version`)."""
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"version={version!r}; use an integer >= 0 (it names a directory and a label)")
         if not self._lock.acquire(blocking=False):
@@ -216,22 +180,33 @@ class WeightSync:
             self._running = None
             self._lock.release()
 
+    @property
+    def members(self) -> set[int]:
+        """Indices (in `base_url`) of the servers that serve the last version pushed (rank 0)."""
+        return set(self.roster.members)
+
+    def needs_resync(self, index: int) -> bool:
+        """Whether server `index` answers but does not serve the last version pushed (rank 0)."""
+        return self.roster.needs_resync(index)
+
     def _sync(self, model: torch.nn.Module, version: int) -> SyncTimings:
         begin = time.perf_counter()
         stream = self.param_stream(model)  # walking the parameters happens before generation pauses
         self._preflight(stream, version)
         self._stage(stream, version)
         staged_at = time.perf_counter()
+        if self.is_sender:
+            self.roster.roll(self.backend.rejoin)
         paused, failure = self._pause()
         paused_at = lined_up_at = time.perf_counter()
-        resume = paused  # until something is sent, the server holds the last good version
+        resume = bool(paused)  # until something is sent, the servers hold the last good version
         try:
             if self.world_size > 1:
                 dist.barrier()
             lined_up_at = time.perf_counter()
             resume = False  # from here on, only weights known to be one version are served
             failure, retries = self._transfer(model, stream, version, failure)
-            resume = paused and (failure is None or failure.recovery.consistent)
+            resume = bool(paused) and (failure is None or failure.recovery.consistent)
             sent_at = time.perf_counter()
         except BaseException as error:
             if paused and not resume:
@@ -242,9 +217,11 @@ class WeightSync:
             raise
         finally:
             if resume:
-                self.control.resume()
+                self.roster.resume(paused)
         if failure is not None:
             raise self._error(failure, version)
+        if self.is_sender:
+            self.roster.served(version)
         if self.manifest is None or not self.manifest.complete:
             self.manifest = Manifest.of(stream.metadata(), f"the first sync (version {version})")
         end = time.perf_counter()
@@ -298,10 +275,26 @@ class WeightSync:
     def _transfer(
         self, model: torch.nn.Module, stream: ParamStream, version: int, failure: _Failure | None
     ) -> tuple[_Failure | None, int]:
-        """Send (every rank joins the gathers); once more if the first attempt left the server mixed but
-        answering. Returns the shared outcome and the number of re-sends."""
+        """Send, pass by pass: one pass reaches every target of a backend that fans out, NCCL makes one per
+        server (every rank joins each pass's gathers). Returns the shared outcome and the number of re-sends."""
         self._bytes_sent, self._peak_gather_bytes = 0, 0
-        failure = self._share(self._attempt(stream, version, failure), self.world_size)
+        targets = self.roster.targets if self.is_sender else []
+        groups = [targets] if BACKENDS[self.backend_name].fans_out else [[i] for i in targets]
+        retries = 0
+        for index in range(self._share(len(groups), self.world_size)):
+            pass_stream = stream if index == 0 else self.param_stream(model)
+            group = groups[index] if self.is_sender else []
+            failure, again = self._pass(model, pass_stream, version, failure, group)
+            retries += again
+            if failure is not None:
+                break
+        return failure, retries
+
+    def _pass(
+        self, model: torch.nn.Module, stream: ParamStream, version: int, failure: _Failure | None, group: list[int]
+    ) -> tuple[_Failure | None, int]:
+        """One pass, and once more if the first attempt left its servers mixed but answering."""
+        failure = self._share(self._attempt(stream, version, failure, group), self.world_size)
         if failure is None or not failure.recovery.resend:
             return failure, 0
         if self.is_sender:
@@ -311,18 +304,20 @@ class WeightSync:
                 failure.message,
                 failure.recovery.state,
             )
-        retry = self._share(self._attempt(self.param_stream(model), version, None), self.world_size)
+        retry = self._share(self._attempt(self.param_stream(model), version, None, group), self.world_size)
         if retry is None:
             return None, 1
         return _Failure(
             message=f"{failure.message}; the retry failed too: {retry.message}", recovery=retry.recovery
         ), 1
 
-    def _attempt(self, stream: ParamStream, version: int, failure: _Failure | None) -> _Failure | None:
+    def _attempt(
+        self, stream: ParamStream, version: int, failure: _Failure | None, group: list[int]
+    ) -> _Failure | None:
         """One pass over a fresh stream: rank 0 sends it (unless `failure` already stopped it), others drain."""
         if self.is_sender and failure is None:
-            failure = self._send(stream, version)
-            self._bytes_sent = stream.nbytes
+            failure = self._send(stream, version, group)
+            self._bytes_sent += stream.nbytes
         else:
             stream.drain()
         self._peak_gather_bytes = max(self._peak_gather_bytes, stream.peak_bucket_bytes)
@@ -338,28 +333,29 @@ class WeightSync:
                 f"; generation stays paused so that mixed weights are not served. To resume: {recovery.fix}"
             )
             if recovery.resume_as_is:
-                state += f" (POST {self.config.base_url}/resume resumes it as it is, mixed weights included)"
+                urls = " and ".join(f"{url}/resume" for url in self.config.server_urls)
+                state += f" (POST {urls} resumes it as it is, mixed weights included)"
         return TransferFailedError(
             f"weight sync to version {version} failed: {failure.message}",
             server_state=state,
             left_paused=held,
         )
 
-    def _pause(self) -> tuple[bool, _Failure | None]:
-        """Pause generation if this rank sends and the backend needs it: (paused, failure)."""
+    def _pause(self) -> tuple[list[int], _Failure | None]:
+        """Pause generation on every target if this rank sends and the backend needs it: (paused, failure)."""
         if not (self.is_sender and BACKENDS[self.backend_name].pauses):
-            return False, None
-        try:
-            self.control.pause(self.config.pause_mode, self.config.pause_clear_cache)
-        except ServerRequestError as error:
-            state = "nothing was sent; the server serves the last good version"
-            return False, _Failure(message=f"pause failed: {error}", recovery=Recovery(state=state))
-        return True, None
+            return [], None
+        paused, refusal = self.roster.pause(self.config.pause_mode, self.config.pause_clear_cache)
+        if refusal is None:
+            return paused, None
+        state = "nothing was sent; the server serves the last good version"
+        return [], _Failure(message=f"pause failed: {refusal}", recovery=Recovery(state=state))
 
-    def _send(self, stream: ParamStream, version: int) -> _Failure | None:
+    def _send(self, stream: ParamStream, version: int, group: list[int]) -> _Failure | None:
         """Send; on failure recover, finish the other ranks' gathers, and say what failed and what is left."""
         try:
-            self.backend.send(stream, version)
+            for index in self.backend.send(stream, version, group):
+                self.roster.lose(index, f"it stopped answering during the sync to version {version}")
             return None
         except _TRANSFER_ERRORS as error:
             logger.warning("weight sync to version %d: the transfer failed", version, exc_info=True)
@@ -383,5 +379,5 @@ class WeightSync:
         """Release the backend's server-side state (adapters, NCCL group) and the HTTP clients."""
         if self.backend is not None:
             self.backend.close()
-        if self.control is not None:
-            self.control.close()
+        for control in self.controls:
+            control.close()

@@ -7,8 +7,10 @@ it builds and never rewrites. Does not know the server (values that need it, suc
 are passed in) nor how many processes run (`num_processes` is passed in).
 
 Beyond the reference, agrpo adds a few fields, grouped last and marked "agrpo:": the weight-sync
-backend (`disk` for CPU servers and shared filesystems), the tree-attention backend, and the post-sync
-parity probe (SPEC F-BEYOND).
+backend (`disk` for CPU servers and shared filesystems), the tree-attention backend, the post-sync
+parity probe (SPEC F-BEYOND), a tool-call timeout, and the device peak that MFU divides by where the
+device table lacks it. `vllm_server_base_url` (the reference's) also takes a list of servers (SPEC
+F-BEYOND); on the command line, `--vllm_server_base_url URL [URL ...]`.
 """
 
 from __future__ import annotations
@@ -111,11 +113,20 @@ class AsyncGRPOConfig(TrainingArguments):
     )
 
     # ---- vLLM server ----
-    vllm_server_base_url: str = field(
-        default="http://localhost:8000", metadata=_help("Base URL of the vLLM server used for generation.")
+    vllm_server_base_url: str | list[str] = field(
+        default="http://localhost:8000",
+        metadata=_help(
+            "Root URL of the vLLM server used for generation, or several serving the same model (a flag takes "
+            "them space-separated): each group goes to one, balanced by their live concurrency caps, and every "
+            "weight sync goes to all."
+        ),
     )
     vllm_server_timeout: float = field(
-        default=1800.0, metadata=_help("Seconds for server readiness, one generation request, one sync call.")
+        default=1800.0,
+        metadata=_help(
+            "Seconds for server readiness, one generation request, one sync call, and how long the run waits "
+            "while no server serves (a restart)."
+        ),
     )
 
     # ---- training ----
@@ -189,6 +200,17 @@ class AsyncGRPOConfig(TrainingArguments):
     sync_parity_threshold: float = field(
         default=0.5,
         metadata=_help("Warn when the probe's max |server - trainer| log-prob exceeds this (nats)."),
+    )
+    tool_timeout_s: float | None = field(
+        default=300.0,
+        metadata=_help("Seconds one tool call may take before it becomes an error message to the model; None: no limit."),
+    )
+    device_peak_flops: float | None = field(
+        default=None,
+        metadata=_help(
+            "Peak FLOP/s of one training device in the training precision, for perf/mfu_*; None: looked up by "
+            "device name (A100, H100, H200, B200, MI300X, ...); MFU is left out when unknown (a CPU)."
+        ),
     )
 
     def __post_init__(self) -> None:
@@ -272,8 +294,9 @@ class AsyncGRPOConfig(TrainingArguments):
             "rollout_worker_timeout": self.rollout_worker_timeout,
             "vllm_server_timeout": self.vllm_server_timeout,
         }
-        if self.epsilon_high is not None:
-            positive["epsilon_high"] = self.epsilon_high
+        for name in ("epsilon_high", "device_peak_flops"):
+            if getattr(self, name) is not None:
+                positive[name] = getattr(self, name)
         for name, value in positive.items():
             if not value > 0:
                 raise ValueError(f"{name}={value}; it must be > 0")
@@ -309,9 +332,15 @@ class AsyncGRPOConfig(TrainingArguments):
             num_sampler_logprobs=self.num_sampler_logprobs,
             max_concurrent_rollouts=self.concurrency_bound(num_processes),
             vllm_server_timeout=self.vllm_server_timeout,
+            tool_timeout_s=self.tool_timeout_s,
             # Heartbeats ride on metric pushes: several per worker timeout.
             metrics_interval_s=max(min(5.0, self.rollout_worker_timeout / 4), 0.05),
         )
+
+    @property
+    def server_urls(self) -> tuple[str, ...]:
+        """`vllm_server_base_url` as a tuple of roots (one entry for one server)."""
+        return self.rollout_config(num_processes=1).server_urls
 
     def packing_config(self, *, max_model_len: int | None, num_ranks: int) -> PackingConfig:
         return PackingConfig(
@@ -347,3 +376,23 @@ class AsyncGRPOConfig(TrainingArguments):
         if self.max_steps > 0 or not dataset_size:
             return math.inf
         return self.num_train_epochs * dataset_size
+
+
+def dataset_size(dataset: Any) -> int | None:
+    return len(dataset) if dataset is not None and hasattr(dataset, "__len__") else None
+
+
+def check_inputs(args: Any, train_dataset: Any, environment_factory: Any) -> None:
+    """The trainer's arguments: a config of this class, and prompts it can count epochs over."""
+    if not isinstance(args, AsyncGRPOConfig):
+        raise TypeError(f"args is a {type(args).__name__}; pass an AsyncGRPOConfig (or a subclass)")
+    if train_dataset is None and environment_factory is None:
+        raise ValueError(
+            "train_dataset is None: pass a dataset with a `prompt` column, or an environment_factory"
+        )
+    if dataset_size(train_dataset) is None and args.max_steps <= 0:
+        raise ValueError(
+            "num_train_epochs needs the dataset's size, and this dataset has none (an IterableDataset, or prompts "
+            "from environment_factory); set max_steps"
+        )
+

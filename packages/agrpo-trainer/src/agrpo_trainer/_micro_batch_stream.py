@@ -127,7 +127,7 @@ class MicroBatchStream:
                     raise self._error
                 self._ready.put(_END)  # later calls see the end too
                 return None
-            batch = self._without_stale(item)
+            batch = self.without_stale(item)
             if batch.samples:  # else every sample went stale while it waited: take the next one
                 return batch
 
@@ -199,7 +199,7 @@ class MicroBatchStream:
         with self._lock:
             self._stats.dropped_stale += 1
 
-    def _without_stale(self, batch: PackedMicroBatch) -> PackedMicroBatch:
+    def without_stale(self, batch: PackedMicroBatch) -> PackedMicroBatch:
         """The batch, with rows re-packed without samples that went stale while it waited."""
         if not any(self._is_stale(s) for s in batch.samples):
             return batch

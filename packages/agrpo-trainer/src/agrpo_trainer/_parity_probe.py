@@ -17,6 +17,7 @@ not know when syncs happen nor what to do about a gap (the trainer warns).
 from __future__ import annotations
 
 import os
+import time
 
 import httpx
 import numpy as np
@@ -37,6 +38,10 @@ def probe_token_ids(tokenizer, num_tokens: int) -> list[int]:
     while len(ids) < num_tokens:
         ids.extend(tokenizer.encode(_PROBE_TEXT, add_special_tokens=False))
     return ids[:num_tokens]
+
+
+_PROBE_ATTEMPTS = 6
+"""Tries of the probe's request (backoff 0.5, 1, 2, 4, 8 s) before it fails naming the setting that skips it."""
 
 
 class ParityProbe:
@@ -64,8 +69,24 @@ class ParityProbe:
             "return_token_ids": True,
             "cache_salt": f"agrpo-parity-{os.getpid()}-{self._calls}",
         }
+        last = ""
         with httpx.Client(timeout=self.timeout_s) as client:
-            response = client.post(f"{self.base_url}/v1/completions", json=body)
+            for attempt in range(_PROBE_ATTEMPTS):
+                if attempt:  # a transient 5xx or dropped connection must not end training over a diagnostic
+                    time.sleep(min(0.5 * 2 ** (attempt - 1), 8.0))
+                try:
+                    response = client.post(f"{self.base_url}/v1/completions", json=body)
+                except httpx.TransportError as error:
+                    last = f"{type(error).__name__}: {error}"
+                    continue
+                if response.status_code < 500:
+                    break
+                last = f"HTTP {response.status_code}: {response.text[:200]}"
+            else:
+                raise RuntimeError(
+                    f"the parity probe's request to {self.base_url}/v1/completions failed {_PROBE_ATTEMPTS} times "
+                    f"(last: {last}); check the server, or set sync_parity_probe_tokens=0 to skip the probe"
+                )
         response.raise_for_status()
         choice = response.json()["choices"][0]
         ids = [int(t) for t in choice["token_ids"]]

@@ -3,13 +3,18 @@
 Owns the wiring of a sample source (the spawned `RolloutProcess`, or a replay in tests), the background
 `MicroBatchStream`, the `PromptLedger` and the metrics that arrive from the rollout side, plus the two
 things the trainer does with them: take the next micro-batch (waiting, with health checks, and counting
-the wait as `perf/rollout_wait_s`), and settle the samples of a finished optimizer step. Does not know
-models, losses, ranks or weight sync: the trainer publishes each new policy version with `set_version`.
+the wait as `perf/rollout_wait_s`), and settle the samples of a finished optimizer step. Also the servers'
+state changes the rollout side reports (`ServerEvent`): each is logged, and a server that reports
+`resync` (it restarted, or missed a push) makes `resync_due` true, which ends a wait for a micro-batch
+early so the trainer can re-sync it (with one server nothing arrives until then). Does not know models,
+losses, ranks or weight sync: the trainer publishes each new policy version with `set_version`.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,11 +22,17 @@ import numpy as np
 
 from agrpo_packing import PackingConfig
 
-from ._metrics import MetricWindow
+from ._metrics import CounterDeltas, MetricWindow
 from ._micro_batch_stream import MicroBatchStream, PackedMicroBatch
 from ._prompt_ledger import PromptLedger
 
+logger = logging.getLogger("agrpo_trainer")
+
 _POLL_S = 0.5
+
+
+class _ResyncDue(Exception):
+    """Ends a wait for a micro-batch: a server waits for a re-sync (raised from the wait's poll)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,9 +76,12 @@ class AsyncPipeline:
             source, packing, self.ledger, max_staleness=max_staleness, prefetch=prefetch
         )
         self.window = MetricWindow()
+        self._rollout_counts = CounterDeltas()
         self.rollout_wait_s = 0.0
         self.ended = False
         """The source finished (every epoch drawn) and the stream is drained."""
+        self._resync: set[int] = set()
+        self._held: list[PackedMicroBatch] = []
 
     def start(self, version: int) -> None:
         self.source.start()
@@ -79,28 +93,84 @@ class AsyncPipeline:
         self.source.set_policy_version(version)
         self.stream.policy_version = version
 
+    @property
+    def resync_due(self) -> bool:
+        """A server reported that it waits for a re-sync (`take_resync` says which)."""
+        return bool(self._resync)
+
+    def take_resync(self) -> set[int]:
+        """The servers (indices in `vllm_server_base_url`) that reported `resync` since the last call."""
+        servers, self._resync = self._resync, set()
+        return servers
+
     def next_micro_batch(self) -> PackedMicroBatch | None:
-        """The next packed micro-batch, or None once the stream ended; raises if the rollout side failed."""
+        """The next packed micro-batch, or None once the stream ended (`ended`) or while a server waits for a
+        re-sync (`resync_due`); raises if the rollout side failed."""
         start = time.perf_counter()
-        batch = self.stream.next(_POLL_S, on_wait=self.poll)
+        try:
+            batch = None if self.resync_due else self.stream.next(_POLL_S, on_wait=self._wait_poll)
+        except _ResyncDue:
+            batch = None
         self.rollout_wait_s += time.perf_counter() - start
         self.poll()
         if batch is None:
-            self.ended = True
+            self.ended = not self.resync_due  # a wait cut short by a re-sync is not the end
         else:
             self.stream.record_trained(batch, time.time())
         return batch
 
+    def _wait_poll(self) -> None:
+        self.poll()
+        if self.resync_due:
+            raise _ResyncDue
+
     def poll(self) -> None:
-        """Absorb group outcomes and rollout metrics; raise if the worker failed or went silent."""
+        """Absorb group outcomes, server events and rollout metrics; raise if the worker failed or went silent."""
         for kind, value in self.source.drain_events():
             if kind == "draw":
                 self.ledger.record_draw(*value)
             elif kind == "group":
                 self.ledger.record_outcome(value)
-            elif kind == "metrics":
-                self.window.add(value)
+            elif kind == "server":
+                self._server_event(value)
+            elif kind == "metrics":  # the loop's running totals, as counts since its previous push
+                self.window.add(self._rollout_counts(value))
         self.source.check()
+
+    def _server_event(self, event) -> None:
+        if event.state == "resync":
+            self._resync.add(event.index)
+            logger.warning(
+                "vLLM server %s needs a re-sync (%s): the trainer pushes its weights to every server as the next "
+                "version before that server takes groups again", event.url, event.detail,
+            )  # fmt: skip
+        elif event.state in ("down", "lost"):
+            logger.warning(
+                "vLLM server %s is %s (%s): its groups in flight are generated again on a server that serves",
+                event.url, "lost (no answer for vllm_server_timeout)" if event.state == "lost" else "down", event.detail,
+            )  # fmt: skip
+        else:
+            logger.info("vLLM server %s is %s", event.url, event.state)
+
+    def take_step(
+        self, num_batches: int, *, behind: Callable[[set[int]], bool]
+    ) -> list[PackedMicroBatch] | None:
+        """Up to `num_batches` micro-batches for one step (fewer only at the end, none once ended), or None
+        when a server that reported `resync` is `behind` and must be re-synced first: the batches taken so
+        far are kept for the next call, which drops what the new version made stale."""
+        batches = [b for b in map(self.stream.without_stale, self._held) if b.samples]
+        self._held = []
+        while True:
+            while len(batches) < num_batches and not self.resync_due:
+                if (batch := self.next_micro_batch()) is None:
+                    break
+                batches.append(batch)
+            servers = self.take_resync()
+            if servers and behind(servers):
+                self._held = batches
+                return None
+            if len(batches) >= num_batches or self.ended:
+                return batches
 
     def settle(self, batches: list[PackedMicroBatch]) -> None:
         """The samples of a finished optimizer step are trained."""

@@ -2,7 +2,8 @@
 
 Owns the process boundary: what crosses it (`RolloutHandoff`, pickled once at start and checked object by
 object, so a lambda fails with its name and the fix), the channels (a bounded sample queue, an unbounded
-event queue for group outcomes, metrics and the worker's traceback, a shared policy version, a
+event queue for drawn prompts, group outcomes, server state changes (`ServerEvent`: the trainer re-syncs a
+server that reports `resync`), metrics and the worker's traceback, a shared policy version, a
 wall-clock heartbeat, a stop event), health checks, and shutdown that leaves no process behind (the
 worker, then multiprocessing's resource tracker if this object started it). Does not know what a sample
 means (the trainer's `SampleStream`) nor how the loop generates (agrpo-rollout).
@@ -20,6 +21,7 @@ import asyncio
 import contextlib
 import dataclasses
 import gc
+import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -35,6 +37,8 @@ from typing import Any
 from agrpo_rollout import RolloutConfig
 
 from ._exceptions import RolloutWorkerError
+
+logger = logging.getLogger("agrpo_trainer")
 
 # torchrun/accelerate variables that would make the child think it is a distributed rank.
 _RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
@@ -206,6 +210,7 @@ async def _run_loop(loop: Any, ch: _Channels) -> None:
             policy_version=lambda: ch.version.value,
             on_group=on_group,
             on_draw=lambda row_index, epoch: ch.events.put(("draw", (epoch, row_index))),
+            on_server=lambda event: ch.events.put(("server", event)),
             metrics_sink=lambda metrics: _push_metrics(ch, metrics),
         )
     finally:
@@ -216,6 +221,16 @@ def _push_metrics(ch: _Channels, metrics: dict[str, float]) -> None:
     """The loop's `metrics_sink`: metrics to the trainer, and a heartbeat (the loop pushed, so it runs)."""
     ch.heartbeat.value = time.time()
     ch.events.put(("metrics", metrics))
+
+
+def warn_cpu_rewards(reward_funcs: list) -> None:
+    """On a GPU machine, say once that reward models run on CPU in the rollout process (SPEC F-PROC)."""
+    if reward_funcs:
+        logger.warning(
+            "reward functions, tools and environments run in the rollout process with CUDA_VISIBLE_DEVICES='': "
+            "a reward model that asks for a GPU runs on CPU there. Serve such a model behind its own server and "
+            "call it from a light reward function"
+        )
 
 
 def _child_main(payload: bytes, ch: _Channels) -> None:
@@ -286,8 +301,8 @@ class RolloutProcess:
         return self._channels.samples.qsize()
 
     def drain_events(self) -> list[tuple[str, Any]]:
-        """Every ("draw", (epoch, row)), ("group", GroupOutcome) and ("metrics", dict) event so far; raises on
-        a worker error."""
+        """Every ("draw", (epoch, row)), ("group", GroupOutcome), ("server", ServerEvent) and ("metrics", dict)
+        event so far; raises on a worker error."""
         events = []
         while True:
             try:

@@ -1,10 +1,13 @@
 """One optimizer step's metrics: its clock (`perf/*`), its micro-batches (`batch/*`, `sample/*`), its samples'
 rewards and the loss statistics (`sampling/*`), named as SPEC F-MET names them ("step" = optimizer step).
 
-Owns `StepClock` (wall time between steps, forward+backward intervals, optimizer time, tokens, and the
-overlap of packing bursts with forward+backward: `perf/pack_overlap_frac` is the share of the packing
-thread's time that ran while this rank computed) and `step_metrics`. On CUDA the clock synchronises
-around each forward+backward so the intervals are the device's. Does not know how metrics are logged.
+Owns `StepClock` (wall time between steps, forward+backward intervals and their forward part, optimizer
+time, tokens and model FLOPs, and the overlap of packing bursts with forward+backward:
+`perf/pack_overlap_frac` is the share of the packing thread's time that ran while this rank computed) and
+`step_metrics`. On CUDA the clock synchronises around each forward+backward (and at the end of its
+forward) so the intervals are the device's. `perf/*` rates and MFU are this rank's: its rows, its time,
+its device's peak (`_flops`); MFU is left out when the peak is unknown. Does not know how metrics are
+logged.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch.distributed as dist
 
 from agrpo_packing import PackedRow
 
+from ._flops import ModelFlops
 from ._loss import LossStats
 
 
@@ -34,15 +38,22 @@ class StepClock:
     def __init__(self) -> None:
         self._last_step_end = time.perf_counter()
         self.fwd_bwd_intervals: list[tuple[float, float]] = []
+        self.fwd_s = 0.0
         self._optimizer_start = 0.0
         self.optimizer_s = 0.0
         self.forwarded_tokens = 0
         self.trained_tokens = 0
-        self.total_forwarded_tokens = 0
+        self.run_forwarded_tokens = 0
+        """Every rank's forwarded tokens since training started (`num_tokens`), counted from rank 0's batches."""
+        self.flops = 0.0
+        self.flop_model: ModelFlops | None = None
+        """Set with `peak_flops` once the model is on its device; without both, no MFU."""
+        self.peak_flops: float | None = None
 
     def step_started(self) -> None:
         self.fwd_bwd_intervals.clear()
         self.forwarded_tokens = self.trained_tokens = 0
+        self.fwd_s = self.flops = 0.0
 
     @contextlib.contextmanager
     def fwd_bwd(self) -> Iterator[None]:
@@ -52,9 +63,19 @@ class StepClock:
         _sync_device()
         self.fwd_bwd_intervals.append((start, time.perf_counter()))
 
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        """Inside `fwd_bwd`: the forward part (the loss included)."""
+        start = time.perf_counter()
+        yield
+        _sync_device()
+        self.fwd_s += time.perf_counter() - start
+
     def add_tokens(self, row: PackedRow) -> None:
         self.forwarded_tokens += row.num_tokens
         self.trained_tokens += row.num_loss_terms
+        if self.flop_model is not None:
+            self.flops += self.flop_model.row_flops(row)
 
     def optimizer_started(self) -> None:
         self._optimizer_start = time.perf_counter()
@@ -79,16 +100,19 @@ class StepClock:
         now = time.perf_counter()
         step_s, self._last_step_end = now - self._last_step_end, now
         fwd_bwd_s = sum(end - start for start, end in self.fwd_bwd_intervals)
-        self.total_forwarded_tokens += self.forwarded_tokens
-        return {
+        out = {
             "perf/step_s": step_s,
             "perf/fwd_bwd_s": fwd_bwd_s,
+            "perf/fwd_s": self.fwd_s,
             "perf/optimizer_s": self.optimizer_s,
             "perf/forwarded_tok_s_fwd_bwd": self.forwarded_tokens / fwd_bwd_s if fwd_bwd_s else 0.0,
             "perf/forwarded_tok_s_wall_clock": self.forwarded_tokens / step_s if step_s else 0.0,
             "perf/trained_tok_s_wall_clock": self.trained_tokens / step_s if step_s else 0.0,
-            "num_tokens": float(self.total_forwarded_tokens),
         }
+        if self.peak_flops and self.flop_model is not None and fwd_bwd_s and step_s:
+            out["perf/mfu_fwd_bwd"] = self.flops / (fwd_bwd_s * self.peak_flops)
+            out["perf/mfu_wall_clock"] = self.flops / (step_s * self.peak_flops)
+        return out
 
 
 def all_ranks(stats: LossStats) -> LossStats:
@@ -129,7 +153,9 @@ def _sample_metrics(samples: list) -> dict[str, float]:
 def step_metrics(batches: list, stats: LossStats, clock: StepClock) -> dict[str, float]:
     """Everything one optimizer step reports (batches are rank 0's view of every rank's rows)."""
     out = clock.take()
-    out.update(stats.metrics())
+    out.update(
+        {k: v for k, v in stats.metrics().items() if k != "num_terms"}
+    )  # = batch/trained_tokens_per_step
     real = [b for b in batches if b.samples]
     if not real:
         return out
@@ -137,6 +163,7 @@ def step_metrics(batches: list, stats: LossStats, clock: StepClock) -> dict[str,
     forwarded = sum(row.num_tokens for b in batches for row in b.rows)
     trained = sum(b.num_loss_terms for b in batches)
     raw = sum(row.num_raw_tokens for b in batches for row in b.rows)
+    clock.run_forwarded_tokens += forwarded
     for name in (n for n in real[0].metrics if not n.endswith("_total")):  # the stream counts drops
         out[name] = float(np.mean([b.metrics[name] for b in real if name in b.metrics]))
     out.update(
@@ -147,6 +174,7 @@ def step_metrics(batches: list, stats: LossStats, clock: StepClock) -> dict[str,
             "batch/groups_per_step": float(len({s.group_id for s in samples})),
             "batch/microbatches_per_step": float(len(real)),
             "batch/masked_token_frac": 1.0 - trained / raw if raw else 0.0,
+            "num_tokens": float(clock.run_forwarded_tokens),
         }
     )
     out.update(_sample_metrics(samples))

@@ -6,10 +6,9 @@ The flow of one run, as the reference describes it (every arrow names its module
     on_train_begin               PolicySync.start + first push (_policy_sync); AsyncPipeline.start (_pipeline):
                                  RolloutProcess (spawned, CPU) -> MicroBatchStream (packing thread)
     get_batch_samples            the step's micro-batches from rank 0's pipeline, one PackedRow per rank,
-                                 and the step's trained-token count N (_step normalises by it)
-    compute_loss                 the row and its tree plan on the device, prepared one micro-batch ahead on a
-                                 worker thread (_device_row); micro_batch_loss: tree-attention scores ->
-                                 grpo_loss (_loss) -> sum / N
+                                 and the step's trained-token count N (_step normalises by it); a re-sync first
+    compute_loss                 the row and its tree plan on the device (_device_row: pinned, non-blocking
+                                 copies); micro_batch_loss: tree-attention scores -> grpo_loss (_loss) -> sum / N
     (Trainer)                    backward, clipping, optimizer and scheduler from TrainingArguments
     on_step_end                  settle the step's prompts (_prompt_ledger), every weight_sync_steps a push
                                  whose version the rollout process sees only once it is served, epoch stop
@@ -18,6 +17,8 @@ The flow of one run, as the reference describes it (every arrow names its module
 Owns the wiring and the Trainer overrides; the mechanisms live in the modules named above. Ranks: rank 0
 owns the rollout process and the packing thread and scatters each rank its row; every rank joins weight
 sync (FSDP2 gathers) and the parity probe's forward.
+A server that restarted (reported `resync` by the rollout side, checked by rank 0, decided with the
+step's rows) is re-synced by a push brought forward: every rank pushes the next version to every server.
 """
 
 from __future__ import annotations
@@ -33,19 +34,28 @@ from transformers.trainer_callback import ProgressCallback
 
 from agrpo_rollout import AsyncRolloutLoop
 
-from ._checkpoint import read_rollout_state, resolve_checkpoint, save_dtype_state_dict, write_rollout_state
-from ._config import AsyncGRPOConfig
-from ._device_row import RowPrefetcher, prepare_device_row
+from ._checkpoint import (
+    noted_save_failure,
+    read_rollout_state,
+    resolve_checkpoint,
+    save_dtype_state_dict,
+    write_rollout_state,
+)
+from ._completions import CompletionLog
+from ._config import AsyncGRPOConfig, check_inputs, dataset_size
+from ._device_row import prepare_device_row
+from ._flops import ModelFlops, flop_counting
 from ._loss import LossStats
 from ._metrics import MetricWindow
 from ._micro_batch_stream import PackedMicroBatch, empty_micro_batch
 from ._model import enable_tree, prepare_policy, router_aux_loss_coef
-from ._parity_probe import ParityProbe, probe_token_ids
+from ._parity_probe import probe_token_ids
 from ._pipeline import AsyncPipeline, ResumePoint
 from ._policy_sync import PolicySync, served_max_model_len
-from ._progress import RunSummary, TrainingProgress
+from ._progress import TrainingProgress
 from ._ranks import rank_world, scatter, share
-from ._rollout_process import LoopSettings, RolloutHandoff, RolloutProcess, pickle_handoff
+from ._report import RunReport
+from ._rollout_process import LoopSettings, RolloutHandoff, RolloutProcess, pickle_handoff, warn_cpu_rewards
 from ._step import StepSettings, micro_batch_loss
 from ._step_metrics import StepClock, all_ranks, step_metrics
 
@@ -103,7 +113,7 @@ class AsyncGRPOTrainer(Trainer):
         environment_factory: Any = None,
     ) -> None:
         args = args if args is not None else AsyncGRPOConfig(output_dir=f"{_short_name(model)}-AsyncGRPO")
-        _check_inputs(args, train_dataset, environment_factory)
+        check_inputs(args, train_dataset, environment_factory)
         policy, tokenizer, self.attention_backend = prepare_policy(model, args, peft_config, processing_class)
         self.reward_funcs = _as_list(reward_funcs)
         self.tools, self.environment_factory = list(tools or []), environment_factory
@@ -118,7 +128,6 @@ class AsyncGRPOTrainer(Trainer):
         self._policy_sync: PolicySync | None = None
         self._resume, self._clock, self._window = ResumePoint(), StepClock(), MetricWindow()
         self._step_batches: list[PackedMicroBatch] = []
-        self._rows_ahead = RowPrefetcher(lambda row: prepare_device_row(row, self.model), self.args.device)
         self._step_stats = LossStats.empty()
         self.last_step_samples: list = []
         """The `RolloutSample`s the last optimizer step trained (rank 0), for callbacks."""
@@ -126,12 +135,14 @@ class AsyncGRPOTrainer(Trainer):
         """Their prompts as run-wide (epoch, row_index) keys, resumes included (rank 0)."""
 
     def _install_callbacks(self) -> None:
-        """The live bar instead of the Trainer's printed dicts, the end-of-run summary, the pipeline hooks."""
+        """The live bar, the end-of-run report, the pipeline hooks, then the completions table (reads theirs)."""
         if not self.args.disable_tqdm:
             self.remove_callback(ProgressCallback)
             self.add_callback(TrainingProgress())
-        self.add_callback(RunSummary())
+        self.add_callback(RunReport())
         self.add_callback(_PipelineCallback(self))
+        if self.args.log_completions:
+            self.add_callback(CompletionLog(self))
 
     # ---- the pipeline ------------------------------------------------------------------------
 
@@ -169,22 +180,19 @@ class AsyncGRPOTrainer(Trainer):
         return f"{sync.weight_sync.config.lora_name}-v{{version}}"
 
     def _start_policy_sync(self) -> PolicySync | None:
-        """Weight sync to the server (every rank). Tests without a server return None."""
+        """Weight sync to the servers (every rank). Tests without a server return None."""
         args = self.args
-        probe = None
-        if args.sync_parity_probe_tokens:
-            ids = probe_token_ids(self.processing_class, args.sync_parity_probe_tokens)
-            probe = ParityProbe(
-                args.vllm_server_base_url, ids, timeout_s=min(args.vllm_server_timeout, 120.0)
-            )
+        tokens = args.sync_parity_probe_tokens
         return PolicySync.start(
-            args.sync_config(), self.model, probe=probe, threshold=args.sync_parity_threshold
-        )
+            args.sync_config(), self.model, threshold=args.sync_parity_threshold,
+            probe_ids=probe_token_ids(self.processing_class, tokens) if tokens else None,
+            probe_timeout_s=min(args.vllm_server_timeout, 120.0),
+        )  # fmt: skip
 
     def _max_model_len(self) -> int | None:
         """The server's context length, for `token_budget=None` (rank 0)."""
         return (
-            served_max_model_len(self.args.vllm_server_base_url) if self.args.token_budget is None else None
+            served_max_model_len(self.args.server_urls[0]) if self.args.token_budget is None else None
         )
 
     def _start_pipeline(self) -> None:
@@ -193,6 +201,7 @@ class AsyncGRPOTrainer(Trainer):
         self.attention_backend = enable_tree(
             policy, self.args.attention_backend
         )  # on its training device now
+        self._clock.flop_model, self._clock.peak_flops = flop_counting(policy, self.args)
         self._policy_sync = self._start_policy_sync()
         version = 0
         if self._policy_sync is not None:  # the server may hold other weights (a resume, a given model)
@@ -228,7 +237,8 @@ class AsyncGRPOTrainer(Trainer):
         self._resume = ResumePoint.from_state(read_rollout_state(checkpoint))
         if self.is_world_process_zero():  # lambdas fail here, before any setup (SPEC F-PROC)
             pickle_handoff(self._handoff(model_name=None, num_processes=1))
-            _warn_cpu_rewards(self.reward_funcs)
+            if torch.cuda.is_available():
+                warn_cpu_rewards(self.reward_funcs)
         try:
             return super().train(resume_from_checkpoint=checkpoint, **kwargs)
         finally:
@@ -259,50 +269,57 @@ class AsyncGRPOTrainer(Trainer):
         )
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
-        """The step's micro-batches: rank 0 takes them from the pipeline and scatters one row per rank."""
+        """The step's micro-batches: rank 0 takes them from the pipeline and scatters one row per rank; a
+        re-sync a server waits for comes first (every rank pushes), then the collection goes on."""
         rank, world = rank_world()
-        payloads = None
-        if rank == 0:
-            batches = []
-            while len(batches) < num_batches and (batch := self._pipeline.next_micro_batch()) is not None:
-                batches.append(batch)
-            ended = not batches
-            batches += (
-                [empty_micro_batch(world) for _ in range(num_batches - len(batches))] if batches else []
-            )
-            self._step_batches = batches
-            tokens = sum(b.num_loss_terms for b in batches)
-            payloads = [([b.rows[r] for b in batches], tokens, ended) for r in range(world)]
-        rows, tokens, ended = scatter(payloads)
+        while True:
+            payloads = self._step_payloads(num_batches, world) if rank == 0 else None
+            rows, tokens, ended, resync = scatter(payloads)
+            if not resync:
+                break
+            self._window.add(self._push())
         if ended:
             self.control.should_training_stop = True
             return [], None
         self._clock.step_started()
-        self._rows_ahead.begin(rows)
-        return [{"row": row, "micro_batch": i} for i, row in enumerate(rows)], tokens
+        return [{"row": row} for row in rows], tokens
+
+    def _step_payloads(self, num_batches: int, world: int) -> list[tuple]:
+        """Rank 0: (rows, tokens, ended, resync) per rank; only `resync` while a server must be re-synced."""
+        sync = self._policy_sync
+        batches = self._pipeline.take_step(num_batches, behind=sync.needs_resync if sync else lambda _: False)
+        if batches is None:
+            return [([], 0, False, True)] * world
+        ended = not batches
+        batches += [empty_micro_batch(world) for _ in range(num_batches - len(batches))] if batches else []
+        self._step_batches = batches
+        tokens = sum(b.num_loss_terms for b in batches)
+        return [([b.rows[r] for b in batches], tokens, ended, False) for r in range(world)]
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         with self._clock.fwd_bwd():
             return super().training_step(model, inputs, num_items_in_batch)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        prepared = self._rows_ahead.take(inputs["micro_batch"])
-        loss, stats = micro_batch_loss(
-            model,
-            prepared.row,
-            self.step_settings,
-            step_trained_tokens=int(num_items_in_batch or 0),
-            world_size=self.accelerator.num_processes,
-            micro_batches_per_step=max(self.current_gradient_accumulation_steps, 1),
-            plan=prepared.plan,
-        )
+        prepared = prepare_device_row(inputs["row"], model)
+        with self._clock.forward():
+            loss, stats = micro_batch_loss(
+                model,
+                prepared.row,
+                self.step_settings,
+                step_trained_tokens=int(num_items_in_batch or 0),
+                world_size=self.accelerator.num_processes,
+                micro_batches_per_step=max(self.current_gradient_accumulation_steps, 1),
+                plan=prepared.plan,
+            )
         self._step_stats = self._step_stats.merge(stats)
         self._clock.add_tokens(inputs["row"])
         return (loss, {}) if return_outputs else loss
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
-        row = inputs["row"]
-        return 6 * self.model.num_parameters(exclude_embeddings=True) * row.num_tokens
+        """The Trainer's `total_flos`: the count `perf/mfu_*` uses (`_flops`)."""
+        flops = self._clock.flop_model or ModelFlops.of(self.model)
+        return int(flops.row_flops(inputs["row"]))
 
     def _finish_step(self, control) -> None:
         """After the optimizer step: settle prompts, sync weights, gather metrics, stop after the epochs."""
@@ -311,34 +328,40 @@ class AsyncGRPOTrainer(Trainer):
         self._step_stats = LossStats.empty()
         if rank == 0:
             self._pipeline.settle(self._step_batches)
-            if _size(self.prompt_dataset):  # epochs are passes over the prompts, not over batches
-                self.state.epoch = self._pipeline.ledger.num_consumed / _size(self.prompt_dataset)
+            if dataset_size(self.prompt_dataset):  # epochs are passes over the prompts, not over batches
+                self.state.epoch = self._pipeline.ledger.num_consumed / dataset_size(self.prompt_dataset)
             self.last_step_samples = [s for b in self._step_batches for s in b.samples]
             key = self._pipeline.ledger.key
             self.last_step_prompts = sorted({key(s.epoch, s.row_index) for s in self.last_step_samples})
             metrics.update(self._pipeline.take_metrics())
             metrics["perf/pack_overlap_frac"] = self._clock.overlap(self._pipeline.pack_intervals())
         if self._policy_sync is not None and self.state.global_step % self.args.weight_sync_steps == 0:
-            metrics.update(self._policy_sync.push(self.model))
-            if rank == 0:
-                self._pipeline.set_version(self._policy_sync.version)
+            metrics.update(self._push())
         self._window.add(metrics)
         done = rank == 0 and self._pipeline.ledger.num_consumed >= self.args.target_prompts(
-            _size(self.prompt_dataset)
+            dataset_size(self.prompt_dataset)
         )
         if share(done):
             control.should_training_stop = True
+
+    def _push(self) -> dict[str, float]:
+        """The next version to every server (every rank), published to the rollout side once served."""
+        metrics = self._policy_sync.push(self.model)
+        if rank_world()[0] == 0:
+            self._pipeline.set_version(self._policy_sync.version)
+        return metrics
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         super().log({**self._window.reduce(), **logs}, start_time)
 
     def _save_checkpoint(self, model, trial) -> None:
-        if self.is_world_process_zero() and self._pipeline is not None:
-            self._pipeline.poll()  # outcomes of groups whose samples this step trained may still be queued
-            write_rollout_state(
-                self.args.output_dir, self.state.global_step, self._pipeline.ledger.resume_state()
-            )
-        super()._save_checkpoint(model, trial)
+        with noted_save_failure(self.args.output_dir, self.state.global_step):  # names what a failure left
+            if self.is_world_process_zero() and self._pipeline is not None:
+                self._pipeline.poll()  # outcomes of groups whose samples this step trained may still be queued
+                write_rollout_state(
+                    self.args.output_dir, self.state.global_step, self._pipeline.ledger.resume_state()
+                )
+            super()._save_checkpoint(model, trial)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         super()._save(output_dir, save_dtype_state_dict(self, state_dict))
@@ -365,28 +388,3 @@ def _step_settings(args: AsyncGRPOConfig, policy: torch.nn.Module) -> StepSettin
     )
 
 
-def _size(dataset: Any) -> int | None:
-    return len(dataset) if dataset is not None and hasattr(dataset, "__len__") else None
-
-
-def _check_inputs(args: Any, train_dataset: Any, environment_factory: Any) -> None:
-    if not isinstance(args, AsyncGRPOConfig):
-        raise TypeError(f"args is a {type(args).__name__}; pass an AsyncGRPOConfig (or a subclass)")
-    if train_dataset is None and environment_factory is None:
-        raise ValueError(
-            "train_dataset is None: pass a dataset with a `prompt` column, or an environment_factory"
-        )
-    if _size(train_dataset) is None and args.max_steps <= 0:
-        raise ValueError(
-            "num_train_epochs needs the dataset's size, and this dataset has none (an IterableDataset, or prompts "
-            "from environment_factory); set max_steps"
-        )
-
-
-def _warn_cpu_rewards(reward_funcs: list) -> None:
-    if reward_funcs and torch.cuda.is_available():
-        logger.warning(
-            "reward functions, tools and environments run in the rollout process with CUDA_VISIBLE_DEVICES='': "
-            "a reward model that asks for a GPU runs on CPU there. Serve such a model behind its own server and "
-            "call it from a light reward function"
-        )

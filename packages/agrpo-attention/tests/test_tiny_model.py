@@ -1,11 +1,27 @@
-"""The offline tiny-model builder: sizes, templates (tools, history rewrite), and loadable checkpoints."""
+"""`agrpo_attention.testing`, the offline tiny-model builder: sizes, templates (tools, history rewrite),
+loadable checkpoints, its command line and its frozen surface."""
 
 from __future__ import annotations
+
+import json
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tools.tiny_models import TinyModelSpec, build_model
+import agrpo_attention.testing
+from agrpo_attention.testing import TinyModelSpec, build_model
+
+EXPORTED = [
+    "HISTORY_REWRITE_TEMPLATE",
+    "RESPONSE_TEMPLATE",
+    "SPECIAL_TOKENS",
+    "TEMPLATES",
+    "TOOL_TEMPLATE",
+    "TinyModelSpec",
+    "build_model",
+    "build_tokenizer",
+    "save_tiny_model",
+]
 
 TOOLS = [
     {
@@ -77,3 +93,15 @@ def test_saved_models_load_offline_and_are_deterministic(tiny_qwen3_dir, tiny_hy
         with torch.no_grad():
             torch.testing.assert_close(loaded(ids).logits, rebuilt(ids).logits)
         assert len(AutoTokenizer.from_pretrained(directory)) == loaded.config.vocab_size
+
+
+def test_testing_exports_are_frozen():
+    assert agrpo_attention.testing.__all__ == EXPORTED
+
+
+def test_command_line_writes_a_servable_model(tmp_path, capsys):
+    agrpo_attention.testing.main([str(tmp_path / "m"), "--kind", "hybrid", "--num-layers", "4", "--untied"])
+    assert capsys.readouterr().out.strip() == str(tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["num_hidden_layers"] == 4 and config["tie_word_embeddings"] is False
+    assert (tmp_path / "m" / "model.safetensors").is_file() and (tmp_path / "m" / "tokenizer.json").is_file()

@@ -1,0 +1,135 @@
+"""Tiny random causal LMs of the families tree attention runs, built offline in well under a second.
+
+Owns `TinyModelSpec` and the builders: a Qwen3-style dense decoder, a Gated DeltaNet hybrid in the
+Qwen3.5 style (transformers' `qwen3_5` text model: 3 linear-attention layers to 1 full-attention layer,
+as the real checkpoints interleave them) and a Qwen3-MoE (for the router loss); `save_tiny_model`
+writes one with its tokenizer so vLLM and transformers load it from disk. Does not know vLLM, training
+or packing. vLLM's CPU attention needs head_dim in {32, 64, 80, 96, 112, 128, ...}; the defaults use 32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ._tiny_tokenizer import build_tokenizer
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TinyModelSpec:
+    """Shape of a tiny random model; defaults are the smallest that vLLM's CPU backend serves."""
+
+    kind: str = "qwen3"
+    """`qwen3` (dense), `hybrid` (Gated DeltaNet + attention, transformers' `qwen3_5` text model) or `moe`
+    (Qwen3-MoE: 4 experts, 2 per token, for the router loss)."""
+    vocab_size: int = 512
+    """Equals the tokenizer's size, 300..4096."""
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    """For `hybrid`, every fourth layer is full attention (and the last layer always is)."""
+    num_heads: int = 2
+    num_kv_heads: int = 1
+    head_dim: int = 32
+    """vLLM CPU attention needs 32, 64, 80, 96, 112, 128, ..."""
+    max_position_embeddings: int = 4096
+    template: str = "tools"
+    """Chat template: `tools` or `history_rewrite`."""
+    tie_word_embeddings: bool = True
+    """False gives the LM head its own weights: vLLM's CPU backend never refreshes a tied head on reload,
+    so models that train against a CPU server (the demo, the learning test) are untied."""
+    seed: int = 0
+
+
+def _qwen3_config(spec: TinyModelSpec, special_ids: dict[str, int]):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        **special_ids,
+    )
+
+
+def _hybrid_config(spec: TinyModelSpec, special_ids: dict[str, int]):
+    from transformers import Qwen3_5TextConfig
+
+    layer_types = [
+        "full_attention" if (i % 4 == 3 or i == spec.num_layers - 1) else "linear_attention"
+        for i in range(spec.num_layers)
+    ]
+    return Qwen3_5TextConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        layer_types=layer_types,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        linear_num_key_heads=spec.num_heads,
+        linear_num_value_heads=2 * spec.num_heads,
+        linear_key_head_dim=spec.head_dim // 2,
+        linear_value_head_dim=spec.head_dim // 2,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        **special_ids,
+    )
+
+
+def _moe_config(spec: TinyModelSpec, special_ids: dict[str, int]):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        moe_intermediate_size=spec.intermediate_size // 2,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        **special_ids,
+    )
+
+
+def build_model(spec: TinyModelSpec, tokenizer):
+    """A randomly initialised causal LM of `spec`'s shape, in float32, seeded."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    special_ids = {
+        "bos_token_id": None,
+        "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    builders = {"qwen3": _qwen3_config, "hybrid": _hybrid_config, "moe": _moe_config}
+    if spec.kind not in builders:
+        raise ValueError(f"kind={spec.kind!r}; expected one of {sorted(builders)}")
+    config = builders[spec.kind](spec, special_ids)
+    torch.manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = [special_ids["eos_token_id"], tokenizer.pad_token_id]
+    return model.eval()
+
+
+def save_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    """Write model weights (safetensors), config and tokenizer to `out_dir`, loadable by vLLM and HF."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(spec.vocab_size, spec.template, spec.seed)
+    build_model(spec, tokenizer).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

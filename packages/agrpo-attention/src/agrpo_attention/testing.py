@@ -1,0 +1,66 @@
+"""`agrpo_attention.testing`: tiny random models and a tokenizer with real chat templates, built offline.
+
+Owns nothing itself: it is the public face of `_tiny_tokenizer.py` (byte-level BPE, a tool-calling
+ChatML template and a history-rewriting variant, a `response_template`) and `_tiny_model.py` (Qwen3
+dense, Qwen3.5 Gated DeltaNet hybrid, Qwen3-MoE). These are exactly the model families tree attention
+runs, built from the torch + transformers this package already needs, which is why they live here:
+agrpo-packing has no transformers and agrpo-rollout no torch. Tests, README examples, the demo and
+benchmarks of every agrpo package use them; nothing touches the network.
+
+By hand: `python -m agrpo_attention.testing OUT_DIR [--kind hybrid]` writes a model vLLM can serve.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ._tiny_model import TinyModelSpec, build_model, save_tiny_model
+from ._tiny_tokenizer import (
+    HISTORY_REWRITE_TEMPLATE,
+    RESPONSE_TEMPLATE,
+    SPECIAL_TOKENS,
+    TEMPLATES,
+    TOOL_TEMPLATE,
+    build_tokenizer,
+)
+
+__all__ = [
+    "HISTORY_REWRITE_TEMPLATE",
+    "RESPONSE_TEMPLATE",
+    "SPECIAL_TOKENS",
+    "TEMPLATES",
+    "TOOL_TEMPLATE",
+    "TinyModelSpec",
+    "build_model",
+    "build_tokenizer",
+    "save_tiny_model",
+]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m agrpo_attention.testing", description="Build a tiny random model + tokenizer offline."
+    )
+    parser.add_argument("out_dir")
+    parser.add_argument("--kind", default="qwen3", choices=["qwen3", "hybrid", "moe"])
+    parser.add_argument("--template", default="tools", choices=sorted(TEMPLATES))
+    parser.add_argument("--vocab-size", type=int, default=512)
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--untied", action="store_true", help="give the LM head its own weights")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    spec = TinyModelSpec(
+        kind=args.kind,
+        template=args.template,
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+        tie_word_embeddings=not args.untied,
+        seed=args.seed,
+    )
+    print(save_tiny_model(args.out_dir, spec))
+
+
+if __name__ == "__main__":
+    main()
