@@ -75,7 +75,7 @@ def test_a_vision_language_checkpoint_trains_text_only_with_frozen_towers_left_o
     assert any("language_model" in n for n in changed)
     sync = WeightSync(
         config=WeightSyncConfig(base_url="http://127.0.0.1:9", output_dir=str(tmp_path), backend="disk"),
-        backend_name="disk", backend=None, control=None, rank=0, world_size=1,
+        backend_name="disk", backend=None, controls=[], rank=0, world_size=1,
     )  # fmt: skip
     sent = [e.meta.name for e in sync.param_stream(model).entries]
     assert sent and not any("visual" in name for name in sent)
