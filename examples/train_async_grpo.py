@@ -52,7 +52,7 @@ def cpu_config(output_dir: str, url: str, max_steps: int) -> AsyncGRPOConfig:
         weight_sync_backend="disk",  # a CPU server reloads weights from a shared directory, not NCCL
         use_cpu=True,
         bf16=False,
-        gradient_checkpointing=False,
+        activation_checkpointing=False,
         learning_rate=5e-3,  # a random model
         num_generations=4,
         max_completion_length=16,

@@ -23,3 +23,23 @@ def test_the_train_step_bench_runs_tree_and_plain_steps_of_the_trainers_step_cod
         assert r["tree"]["trained_tokens"] == r["plain"]["trained_tokens"]  # the same samples, packed two ways
     assert results[1]["measured_ratio"] > 2  # ratio-8 groups share their prompts in tree rows
     assert "tree/plain MFU" in capsys.readouterr().out
+
+
+def test_the_bench_runs_compiled_layer_regions_with_parity_and_recompile_counts(tmp_path, monkeypatch, capsys):
+    """The compiled path of the GPU runs (`gpu_compile.sh`), on CPU: regions compiled (aot_eager here, the
+    CPU-cheap backend; the trainer's inductor path has its own test), selective checkpointing, the loss and
+    gradients against the eager regions, and no new graph over steps of fresh rows."""
+    out = tmp_path / "bench.json"
+    monkeypatch.setattr(sys, "argv", ["train_step", "--tiny", "--ratios", "1", "--precision", "amp",
+                                      "--checkpointing", "selective", "--compile", "on", "--compile-backend",
+                                      "aot_eager", "--kinds", "tree", "--parity", "--recompile-steps", "2",
+                                      "--json", str(out)])  # fmt: skip
+    main()
+    report = json.loads(out.read_text())
+    first = report["results"][0]
+    assert first["compile"] is True and first["checkpointing"] == "selective"
+    assert first["parity"]["loss_rel_diff"] < 1e-2 and first["parity"]["grad_cosine"] > 0.999
+    (setup,) = report["setups"]
+    assert setup["graphs"] == 1 and setup["graph_breaks"] == 0
+    assert setup["recompile"]["new_graphs"] == 0  # a plain row after the tree rows: the same graph
+    assert "parity vs eager regions" in capsys.readouterr().out

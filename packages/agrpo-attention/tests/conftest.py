@@ -1,4 +1,5 @@
-"""Fixtures of agrpo-attention's tests: tiny random models, and packed rows from agrpo-packing's generator.
+"""Fixtures of agrpo-attention's tests: tiny random models, packed rows from agrpo-packing's generator, and the
+Triton kernels' interpreter run.
 
 Rows come from agrpo-packing's public API only (`TreeRow`, `agrpo_packing.testing`), as production
 rows do. `visibility_from_paths` reads the layout contract literally (every segment attends to its
@@ -8,6 +9,11 @@ dtype handling of `varlen` and `adaptive` run on CPU against a kernel twin that 
 """
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -117,3 +123,18 @@ def tiny_dense(tiny_tokenizer):
 @pytest.fixture(scope="session")
 def tiny_hybrid(tiny_tokenizer):
     return build_model(TinyModelSpec(kind="hybrid", num_layers=4), tiny_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def triton_interpreter_cases() -> dict:
+    """The errors of agrpo's Triton kernels against their PyTorch definitions, {"delta_rule": ...,
+    "path_conv": ...} (`delta_rule_triton_cases.py`, `path_conv_triton_cases.py`), from one fresh interpreter
+    with TRITON_INTERPRET=1 (it must be set before triton is imported; one process pays the imports once)."""
+    program = (
+        "import json, delta_rule_triton_cases as d, path_conv_triton_cases as p; "
+        "print(json.dumps({'delta_rule': d.cases(), 'path_conv': p.cases()}))"
+    )
+    run = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=900,
+                         cwd=Path(__file__).parent)  # fmt: skip
+    assert run.returncode == 0, f"the interpreter run failed:\n{run.stderr[-4000:]}"
+    return json.loads(run.stdout.strip().splitlines()[-1])

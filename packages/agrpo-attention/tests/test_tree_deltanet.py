@@ -10,6 +10,7 @@ from agrpo_attention import BackendUnavailableError, UnsupportedModelError
 from agrpo_attention._delta_rule_torch import chunk_gated_delta_rule
 from agrpo_attention._deltanet_plan import build_deltanet_plan
 from agrpo_attention._tree_deltanet import (
+    _UNAVAILABLE_REASON,
     check_deltanet_module,
     path_conv,
     resolve_delta_rule_kernel,
@@ -77,7 +78,20 @@ def test_kernel_choice_and_layout_check_refuse_clearly():
     assert resolve_delta_rule_kernel("auto", torch.device("cpu")) == "torch"
     with pytest.raises(BackendUnavailableError, match="fla"):
         resolve_delta_rule_kernel("fla", torch.device("cpu"))
-    with pytest.raises(BackendUnavailableError, match="expected 'auto'"):
+    with pytest.raises(BackendUnavailableError, match="triton.*needs a CUDA GPU"):
         resolve_delta_rule_kernel("triton", torch.device("cpu"))
+    with pytest.raises(BackendUnavailableError, match="expected 'auto'"):
+        resolve_delta_rule_kernel("cuda", torch.device("cpu"))
     with pytest.raises(UnsupportedModelError, match="in_proj_qkvz is not supported"):
         check_deltanet_module(torch.nn.Linear(2, 2), "model.layers.0.linear_attn")
+
+
+@pytest.mark.parametrize(
+    ("fla_runs", "triton_runs", "chosen"),
+    [(True, True, "fla"), (False, True, "triton"), (False, False, "torch")],
+)
+def test_auto_prefers_fla_then_our_triton_then_torch(monkeypatch, fla_runs, triton_runs, chosen):
+    reasons = {"fla": None if fla_runs else "no fla", "triton": None if triton_runs else "no triton"}
+    for name, reason in reasons.items():
+        monkeypatch.setitem(_UNAVAILABLE_REASON, name, lambda device, reason=reason: reason)
+    assert resolve_delta_rule_kernel("auto", torch.device("cuda")) == chosen

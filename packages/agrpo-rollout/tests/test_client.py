@@ -11,6 +11,7 @@ import pytest
 from agrpo_rollout import (
     RequestRejectedError,
     ResponseFormatError,
+    ServerConfigError,
     ServerUnavailableError,
     VLLMClient,
     decode_generate,
@@ -34,6 +35,42 @@ def test_sample_returns_ids_log_probs_and_top_alternatives(server_config):
         "no room under max_model_len: no request"
     )
     assert body["return_tokens_as_token_ids"] and body["return_token_ids"] and body["logprobs"] == 8
+
+
+def test_top_k_sets_are_read_from_the_processed_log_probs_of_a_server_without_sampling_masks(server_config):
+    """The CPU server has no sampling masks; its processed top_k + 1 log-probs hold each token's whole set."""
+
+    async def go():
+        config = server_config(max_completion_length=24, top_k=5, top_p=0.8, num_sampler_logprobs=6)
+        async with VLLMClient(config) as client:
+            return await client.sample([1, 2, 3, 4]), client.completion_body([1], 5)
+
+    turn, body = asyncio.run(go())
+    assert body["logprobs"] == 6 and body["top_k"] == 5 and body["top_p"] == 0.8
+    assert len(turn.output_sampling_mask) == turn.num_output_tokens > 0
+    top = turn.output_sampler_logprobs
+    for token, members, logprob, ids, values in zip(
+        turn.output_ids, turn.output_sampling_mask, turn.output_log_probs, top.ids, top.logprobs, strict=True
+    ):
+        assert token in members and 1 <= len(members) < 5, "top-p cuts the near-uniform top 5 of a random model"
+        assert set(ids[np.isfinite(values)].tolist()) == set(members.tolist())
+        assert np.exp(values[np.isfinite(values)]).sum() == pytest.approx(1.0, abs=1e-4), "the sampler's own law"
+        assert logprob == pytest.approx(float(values[ids == token][0]), abs=1e-6)
+
+
+def test_raw_log_probs_of_truncated_sampling_are_refused_with_the_flag():
+    from agrpo_rollout import RolloutConfig, TopLogprobs
+    from agrpo_rollout._candidate_set import split_candidate_sets
+
+    config = RolloutConfig(max_completion_length=4, top_k=2, num_sampler_logprobs=1)
+    raw = TopLogprobs(ids=[[5, 6, 7], [6, 5, 7]], logprobs=[[-0.5, -1.0, -3.0], [-0.7, -0.9, -2.0]])
+    with pytest.raises(ServerConfigError, match="--logprobs-mode processed_logprobs"):
+        split_candidate_sets(raw, np.array([5, 6]), config, "http://s")
+    processed = TopLogprobs(
+        ids=[[6, 5, 7], [6, 9, 2]], logprobs=[[-0.2, -1.7, -np.inf], [0.0, -np.inf, -np.inf]]
+    )
+    kept, sets = split_candidate_sets(processed, np.array([5, 6]), config, "http://s")
+    assert [s.tolist() for s in sets] == [[6, 5], [6]] and kept.ids.tolist() == [[6], [6]]
 
 
 @pytest.mark.parametrize(("faults", "retries"), [(["500", "500"], 2), (["hang"], 1), (["drop"], 1)])

@@ -1,9 +1,12 @@
 import asyncio
+import contextlib
 import json
+import queue
 import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -60,6 +63,7 @@ def test_eval_cli_on_a_jsonl_file(vllm_server, tmp_path, capsys, monkeypatch):
     )
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "my_rewards", raising=False)  # another test's module of that name
     runs = []
     for out in ("a.jsonl", "b.jsonl"):
         code = main([
@@ -266,11 +270,15 @@ def test_library_warnings_name_the_commands_flags():
 
     from agrpo_rollout.__main__ import _FlagNames
 
-    record = logging.LogRecord("agrpo_rollout", logging.WARNING, __file__, 1, "max_completion_length=%d >= x", (9,), None)
+    record = logging.LogRecord(
+        "agrpo_rollout", logging.WARNING, __file__, 1, "max_completion_length=%d >= x", (9,), None
+    )
     assert _FlagNames().filter(record) and record.getMessage() == "--max-completion-length=9 >= x"
 
 
-def test_a_wrong_model_name_is_named_before_the_tokenizer_loads(vllm_server, tiny_qwen3_dir, tmp_path, capsys):
+def test_a_wrong_model_name_is_named_before_the_tokenizer_loads(
+    vllm_server, tiny_qwen3_dir, tmp_path, capsys
+):
     data = _write_rows(tmp_path / "p.jsonl", [{"prompt": "hi", "answer": "1"}])
     argv = ["eval", "--base-url", vllm_server.url, "--model", "qwen3-tiny", "--tokenizer", str(tiny_qwen3_dir),
             "--dataset", str(data), "--reward", "exact"]  # fmt: skip
@@ -282,12 +290,17 @@ def test_a_wrong_model_name_is_named_before_the_tokenizer_loads(vllm_server, tin
 
 def test_a_prompt_longer_than_the_servers_context_is_named_or_skipped(vllm_server, tmp_path, capsys):
     long_prompt = "the " * (vllm_server.max_model_len + 10)
-    data = _write_rows(tmp_path / "p.jsonl", [{"prompt": "hi", "answer": "1"}, {"prompt": long_prompt, "answer": "1"}])
+    data = _write_rows(
+        tmp_path / "p.jsonl", [{"prompt": "hi", "answer": "1"}, {"prompt": long_prompt, "answer": "1"}]
+    )
     base = ["eval", "--base-url", vllm_server.url, "--model", vllm_server.model_name, "--dataset", str(data),
             "--reward", "exact", "--num-generations", "2", "--max-completion-length", "4", "--no-progress"]  # fmt: skip
     assert main(base) == 2
     err = capsys.readouterr().err
-    assert "p.jsonl:2: the prompt is " in err and f"the server's max_model_len is {vllm_server.max_model_len}" in err
+    assert (
+        "p.jsonl:2: the prompt is " in err
+        and f"the server's max_model_len is {vllm_server.max_model_len}" in err
+    )
     assert "--max-model-len, or pass --skip-bad-rows" in err and err.count("\n") == 1
     assert main([*base, "--skip-bad-rows"]) == 0
     printed = capsys.readouterr().out.splitlines()
@@ -317,7 +330,10 @@ def test_parquet_with_named_columns_shows_a_progress_bar_and_a_one_screen_summar
     assert "exact_match" in summary[2] and "contains_answer" in summary[2]
     assert len(summary) <= 24, "one screen"
     report = json.loads(summary[-1])
-    assert report["num_prompts"] == 3 and set(report["mean_reward_by_func"]) == {"exact_match", "contains_answer"}
+    assert report["num_prompts"] == 3 and set(report["mean_reward_by_func"]) == {
+        "exact_match",
+        "contains_answer",
+    }
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(lines) == 6 and lines[0]["prompt"] == [{"role": "user", "content": "What is 0+0?"}]
 
@@ -331,7 +347,9 @@ def test_prompt_lengths_are_the_loops_and_long_ones_are_skipped_or_named(tool_to
     assert data.origins == [f"{tmp_path}/d.jsonl:1", f"{tmp_path}/d.jsonl:2"]
     kept = fit_context(data, [10, 64], 64, skip_bad_rows=True)
     assert [r["prompt"][0]["content"] for r in kept.rows] == ["a"] and len(kept.skipped) == 1
-    with pytest.raises(ValueError, match=r"d\.jsonl:2: the prompt is 64 tokens, the server's max_model_len is 64"):
+    with pytest.raises(
+        ValueError, match=r"d\.jsonl:2: the prompt is 64 tokens, the server's max_model_len is 64"
+    ):
         fit_context(data, [10, 64], 64, skip_bad_rows=False)
 
 
@@ -341,7 +359,9 @@ def test_the_readmes_eval_commands_are_valid_command_lines():
     commands = []
     for readme in (root / "README.md", root / "packages" / "agrpo-rollout" / "README.md"):
         text = readme.read_text().replace("\\\n", " ")
-        commands += [line.split("  # ")[0] for line in text.splitlines() if line.startswith("agrpo-rollout eval ")]
+        commands += [
+            line.split("  # ")[0] for line in text.splitlines() if line.startswith("agrpo-rollout eval ")
+        ]
     assert len(commands) >= 3, commands
     for command in commands:
         args = _parser().parse_args(shlex.split(command)[1:])
@@ -366,3 +386,36 @@ def test_ctrl_c_keeps_the_finished_rollouts_and_says_where(vllm_server, tmp_path
     )
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert 2 <= len(lines) < 120 and len(lines) % 2 == 0, "whole groups only"
+
+
+def test_a_server_left_paused_is_named_on_stderr_and_the_eval_finishes_once_resumed(vllm_server, tmp_path):
+    """The eval runs the rollout loop, so it names a paused server (`ServerPause`, `test_server_pause.py`): one
+    warning on stderr with the fix, then, resumed, the run ends normally."""
+    data = _write_rows(tmp_path / "p.jsonl", [{"prompt": f"question {i}", "answer": "1"} for i in range(2)])
+    argv = [sys.executable, "-m", "agrpo_rollout", "eval", "--base-url", vllm_server.url, "--model",
+            vllm_server.model_name, "--dataset", str(data), "--reward", "exact", "--num-generations", "2",
+            "--max-completion-length", "8", "--no-progress"]  # fmt: skip
+    lines: queue.Queue[str] = queue.Queue()
+    with httpx.Client(base_url=vllm_server.url, timeout=30) as control:
+        control.post("/pause", params={"mode": "keep"}).raise_for_status()
+        try:
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True)
+            reader.start()
+            seen, deadline = [], time.monotonic() + 60
+            while not any("is paused" in line for line in seen) and time.monotonic() < deadline:
+                with contextlib.suppress(queue.Empty):
+                    seen.append(lines.get(timeout=1))
+            assert proc.poll() is None, "".join(seen)
+        finally:
+            control.post("/resume").raise_for_status()
+    proc.wait(timeout=120)  # the summary fits in the pipe's buffer; stderr is the reader's
+    reader.join(timeout=10)
+    out = proc.stdout.read()
+    seen += list(lines.queue)
+    warnings = [line for line in seen if "is paused" in line]
+    assert proc.returncode == 0 and json.loads(out.strip().splitlines()[-1])["num_rollouts"] == 4, seen
+    assert len(warnings) == 1 and warnings[0].startswith(
+        f"WARNING agrpo_rollout: vLLM server {vllm_server.url}"
+    )
+    assert f"POST {vllm_server.url}/resume serves its weights as they are" in warnings[0]

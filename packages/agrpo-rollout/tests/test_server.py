@@ -30,9 +30,12 @@ def test_missing_flags_are_named(server_config, caplog):
         _probe(server_config(num_sampler_logprobs=25))
     with pytest.raises(ServerConfigError, match="not served"):
         _probe(server_config(model_name="no-such-adapter"))
+    # Without sampling masks a top-k set is read from top_k + 1 processed log-probs: 51 > --max-logprobs 20.
+    with pytest.raises(ServerConfigError, match="--max-logprobs 51.*--enable-scale-out --return-sampling-mask"):
+        _probe(server_config(top_k=50, top_p=0.9))
     with caplog.at_level(logging.WARNING, logger="agrpo_rollout"):
-        info = _probe(server_config(top_k=50, top_p=0.9))
-    assert "--enable-scale-out --return-sampling-mask" in caplog.text
+        info = _probe(server_config(top_k=10, top_p=0.9))
+    assert not caplog.text, "candidate sets are recovered exactly: nothing to warn about"
     assert info.logprobs_mode == "processed_logprobs"
     assert info.check(RolloutConfig(num_sampler_logprobs=0, max_completion_length=16)) == []
 
@@ -45,3 +48,6 @@ def test_raw_logprobs_are_flagged_only_when_sampling_reshapes_the_distribution(v
     for reshaping in [dict(temperature=0.7), dict(repetition_penalty=1.1)]:
         [warning] = raw.check(RolloutConfig(max_completion_length=16, **reshaping))
         assert "--logprobs-mode processed_logprobs" in warning
+    # Truncated sampling on raw log-probs cannot train (every ratio is off by the kept mass): refused.
+    with pytest.raises(ServerConfigError, match="runs --logprobs-mode raw_logprobs.*processed_logprobs"):
+        raw.check(RolloutConfig(max_completion_length=16, top_k=10))

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import agrpo_rollout.testing
-from agrpo_rollout import TopLogprobs, TurnRecord
+from agrpo_rollout import TopLogprobs, TurnRecord, _vllm_env
 from agrpo_rollout.testing import (
     ATTACH_URL_ENV,
     VLLM_REQUIREMENT,
@@ -52,11 +52,40 @@ def test_a_verified_environment_is_reused_without_probing_vllm(tmp_path):
     env_dir = tmp_path / "vllm-env"
     (env_dir / "bin").mkdir(parents=True)
     (env_dir / "bin" / "python").symlink_to(sys.executable)  # cannot import vllm: a probe would reinstall
-    (env_dir / ".agrpo-verified").write_text(VLLM_REQUIREMENT)
+    (env_dir / ".agrpo-verified").write_text(_vllm_env._marker_text())
     start = time.monotonic()
     assert ensure_vllm_env(env_dir) == env_dir / "bin" / "python"
     assert time.monotonic() - start < 1.0
     assert (tmp_path / "vllm-env.lock").exists(), "concurrent sessions serialise on this lock"
+
+
+def test_the_environment_is_the_pinned_list_installed_with_uv_and_reinstalled_when_the_pins_change(
+    tmp_path, monkeypatch
+):
+    pinned = _vllm_env.PINNED_REQUIREMENTS.read_text().splitlines()
+    assert f"{VLLM_REQUIREMENT}" in pinned and "torch==2.13.0+cpu" in pinned
+    assert not [line for line in pinned if line.startswith(("torchvision", "torchaudio", "torchcodec"))]
+    assert all(line.startswith("#") or line.count("==") == 1 for line in pinned), "every package pinned"
+    env_dir = tmp_path / "vllm-env"
+    monkeypatch.setenv("UV", "/opt/uv")
+    monkeypatch.setenv("PIP_FIND_LINKS", "/opt/wheels")
+    venv, install = _vllm_env._install_steps(env_dir, env_dir / "bin" / "python")
+    assert venv[:2] == ["/opt/uv", "venv"] and install[:3] == ["/opt/uv", "pip", "install"]
+    assert "--find-links=/opt/wheels" in install and install[-3:] == [
+        "--no-deps",
+        "-r",
+        str(_vllm_env.PINNED_REQUIREMENTS),
+    ]
+    installs = []
+    monkeypatch.setattr(_vllm_env, "_install", lambda *args: installs.append(args))
+    monkeypatch.setattr(_vllm_env, "_imports_vllm", lambda python: True)
+    (env_dir / "bin").mkdir(parents=True)
+    (env_dir / "bin" / "python").symlink_to(sys.executable)
+    (env_dir / ".agrpo-verified").write_text(VLLM_REQUIREMENT)  # an environment of the old, unpinned install
+    ensure_vllm_env(env_dir)
+    assert len(installs) == 1 and (env_dir / ".agrpo-verified").read_text() == _vllm_env._marker_text()
+    ensure_vllm_env(env_dir)
+    assert len(installs) == 1
 
 
 def test_attach_url_defaults_to_the_environment(monkeypatch, tmp_path):
@@ -65,6 +94,13 @@ def test_attach_url_defaults_to_the_environment(monkeypatch, tmp_path):
     assert server.attach_url == "http://10.0.0.7:8000/" and server.url == "http://10.0.0.7:8000"
     monkeypatch.delenv(ATTACH_URL_ENV)
     assert VLLMServer(model_dir=tmp_path).attach_url is None
+
+
+def test_a_qwen3_5_hybrid_is_refused_before_start_up_naming_why_and_what_to_do(monkeypatch, tmp_path):
+    monkeypatch.delenv(ATTACH_URL_ENV, raising=False)
+    (tmp_path / "config.json").write_text('{"architectures": ["Qwen3_5ForCausalLM"]}')
+    with pytest.raises(DevServerError, match="torchvision.*libtorch_cuda.*GPU vLLM server"):
+        VLLMServer(model_dir=tmp_path).start(python=tmp_path / "no-python")  # refused before anything runs
 
 
 def test_attaching_uses_the_running_server_and_leaves_it_running(vllm_server, tiny_qwen3_dir):
@@ -91,9 +127,12 @@ def test_the_command_line_needs_a_model():
         env={**os.environ, ATTACH_URL_ENV: ""},
     )  # fmt: skip
     assert done.returncode == 2 and "--model" in done.stderr
-    assert "python -m agrpo_attention.testing" in subprocess.run(
-        [sys.executable, "-m", "agrpo_rollout.testing", "--help"], capture_output=True, text=True
-    ).stdout
+    assert (
+        "python -m agrpo_attention.testing"
+        in subprocess.run(
+            [sys.executable, "-m", "agrpo_rollout.testing", "--help"], capture_output=True, text=True
+        ).stdout
+    )
 
 
 def test_a_scripted_turn_trains_only_the_plain_real_tokens_and_ends_with_the_script(tool_tokenizer):
@@ -109,5 +148,5 @@ def test_a_scripted_turn_trains_only_the_plain_real_tokens_and_ends_with_the_scr
     kept = [t for t in real_ids if tool_tokenizer.decode([t]).isalnum()]
     assert turn.output_ids.tolist() == kept + script + [tool_tokenizer.eos_token_id]
     assert turn.output_mask.tolist() == [True] * len(kept) + [False] * (len(script) + 1)
-    assert (turn.output_log_probs[len(kept):] == 0).all() and turn.finish_reason == "stop"
-    assert (turn.output_sampler_logprobs.ids[len(kept):] == -1).all()
+    assert (turn.output_log_probs[len(kept) :] == 0).all() and turn.finish_reason == "stop"
+    assert (turn.output_sampler_logprobs.ids[len(kept) :] == -1).all()

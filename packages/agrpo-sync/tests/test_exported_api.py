@@ -7,6 +7,7 @@ EXPORTED = [
     "ChunkPlan",
     "ChunkTransport",
     "DiskBackend",
+    "JOURNAL_NAME",
     "LoraAdapterBackend",
     "ManifestMismatchError",
     "NcclBackend",
@@ -29,6 +30,7 @@ EXPORTED = [
     "adapter_name",
     "pack_chunk",
     "plan_chunks",
+    "settle_interrupted_sync",
     "unpack_chunk",
     "update_info",
 ]

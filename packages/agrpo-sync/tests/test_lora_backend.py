@@ -1,7 +1,8 @@
 """Adapter-only LoRA sync against the real CPU server (`--enable-lora --max-lora-rank 8 --max-loras 4`):
 each new version serves the new adapter, in-window versions keep serving, out-of-window versions are
 gone from the server and from disk; re-pushing a registered version loads it in place, a restarted
-trainer takes over the window; plus the start-up checks and a failed load."""
+trainer takes over the window (and the old one's late, repeated close() finds its adapters already
+unloaded: not an error); plus the start-up checks and a failed load."""
 
 from __future__ import annotations
 
@@ -168,3 +169,8 @@ def test_a_restarted_trainer_takes_over_the_window_and_deletes_only_inside_its_d
     assert elsewhere.is_dir()  # unloaded, but not deleted: it is outside <output_dir>/.vllm_lora
     after.close()
     assert _registered(vllm_server.url) == [] and list((tmp_path / ".vllm_lora").iterdir()) == []
+    assert before.backend.live == [1, 2]  # the old trainer's close, late: the new one unloaded all of them
+    before.close()  # the server answers 404 "cannot be found" for each: already unloaded, not an error
+    before.close()
+    after.close()  # twice is fine too
+    assert before.backend.live == [] and _registered(vllm_server.url) == []

@@ -55,7 +55,7 @@ def main() -> None:
     )
     backend = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--backend=")), "auto")
     device = {"bf16": True, "save_steps": 3, "attention_backend": backend} if cuda else {
-        "use_cpu": True, "bf16": False, "gradient_checkpointing": False, "save_strategy": "no",
+        "use_cpu": True, "bf16": False, "activation_checkpointing": False, "save_strategy": "no",
         "ddp_backend": "gloo" if world > 1 else None,
     }  # fmt: skip
     args = AsyncGRPOConfig(

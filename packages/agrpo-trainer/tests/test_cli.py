@@ -168,4 +168,4 @@ disable_tqdm: true
     assert [h["batch/samples_per_step"] for h in steps] == [8.0, 8.0], (
         "two ranks x 4 samples per optimizer step"
     )
-    assert read_curves(tmp_path / "run" / "report.html")["reward_trained"][0] == [1, 2]
+    assert read_curves(tmp_path / "run" / "report.html")["reward"][0] == [1, 2]

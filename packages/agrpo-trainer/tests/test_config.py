@@ -55,7 +55,7 @@ REFERENCE_DEFAULTS = {
 }  # fmt: skip
 
 # Declared defaults that differ on purpose: None means "resolved at construction" (checked below).
-RESOLVED_AT_CONSTRUCTION = {"gradient_checkpointing"}
+RESOLVED_AT_CONSTRUCTION = {"gradient_checkpointing", "torch_compile"}
 
 # Fields agrpo adds beyond the reference (SPEC F-BEYOND); freezing them makes growing the surface a decision.
 AGRPO_FIELDS = {
@@ -65,6 +65,7 @@ AGRPO_FIELDS = {
     "sync_parity_probe_tokens": 64,
     "sync_parity_threshold": 0.5,
     "tool_timeout_s": 300.0,
+    "checkpointing_mode": "auto",
     "device_peak_flops": None,
 }
 
@@ -192,3 +193,25 @@ def test_several_servers_come_as_a_list_from_python_a_flag_or_a_config_file(tmp_
         AsyncGRPOConfig(output_dir=str(tmp_path), vllm_server_base_url=[urls[0], urls[0]])
     with pytest.raises(ValueError, match="ends in /v1"):
         AsyncGRPOConfig(output_dir=str(tmp_path), vllm_server_base_url=[urls[0], "http://h:8000/v1"])
+
+
+def test_torch_compile_defaults_to_per_layer_compilation_on_cuda_only(tmp_path, monkeypatch):
+    from agrpo_trainer._layer_region import default_torch_compile
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert default_torch_compile(use_cpu=False, fsdp=False, named=False) is True
+    assert default_torch_compile(use_cpu=False, fsdp=True, named=False) is False  # FSDP2 + regions: unmeasured
+    assert default_torch_compile(use_cpu=True, fsdp=False, named=False) is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_torch_compile(use_cpu=False, fsdp=False, named=False) is False
+    assert AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True).torch_compile is False
+    named = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, torch_compile_backend="aot_eager")
+    assert named.torch_compile is True and named.torch_compile_backend == "aot_eager"
+
+
+def test_checkpointing_mode_is_checked_and_warned_about_without_checkpointing(tmp_path, caplog):
+    with pytest.raises(ValueError, match="checkpointing_mode='partial'"):
+        AsyncGRPOConfig(output_dir=str(tmp_path), checkpointing_mode="partial")
+    with caplog.at_level("WARNING", logger="agrpo_trainer"):
+        AsyncGRPOConfig(output_dir=str(tmp_path), gradient_checkpointing=False, checkpointing_mode="selective")
+    assert "checkpointing_mode='selective' has no effect" in caplog.text

@@ -18,7 +18,7 @@ def _train(tmp_path, samples, **overrides) -> ReplayTrainer:
     settings = dict(
         output_dir=str(tmp_path / "run"), use_cpu=True, bf16=False, learning_rate=1e-3,
         per_device_train_batch_size=4, token_budget=0, save_strategy="no", report_to="none", disable_tqdm=True,
-        gradient_checkpointing=False,
+        activation_checkpointing=False,
     )  # fmt: skip
     settings.update(overrides)
     ReplayTrainer.replay_samples = samples

@@ -41,4 +41,4 @@ def test_the_cpu_flag_trains_against_the_local_cpu_server(training_server, tmp_p
     assert done.returncode == 0, done.stderr[-4000:]
     assert f"trained 2 steps; report: {tmp_path / 'run' / 'report.html'}" in done.stdout
     curves = read_curves(tmp_path / "run" / "report.html")
-    assert curves["reward_trained"][0] == [1, 2], "the rewards of the samples each optimizer step trained"
+    assert curves["reward"][0] == [1, 2], "the rewards of the samples each optimizer step trained"

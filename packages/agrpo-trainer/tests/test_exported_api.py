@@ -2,7 +2,8 @@
 
 import agrpo_trainer
 
-EXPECTED = ["AsyncGRPOConfig", "AsyncGRPOError", "AsyncGRPOTrainer", "ModelSetupError", "RolloutWorkerError"]
+EXPECTED = ["AsyncGRPOConfig", "AsyncGRPOError", "AsyncGRPOTrainer", "ModelSetupError", "NothingTrainedError",
+            "RolloutWorkerError"]
 
 
 def test_exported_api_is_frozen():

@@ -54,7 +54,7 @@ def _config(tmp_path: Path, url: str, **overrides) -> AsyncGRPOConfig:
         output_dir=str(tmp_path / "run"), vllm_server_base_url=url, weight_sync_backend="disk", bf16=False,
         use_cpu=True, learning_rate=1e-4, num_generations=4, max_completion_length=8,
         per_device_train_batch_size=8, token_budget=0, save_strategy="no", report_to="none", max_steps=3,
-        gradient_checkpointing=False, disable_tqdm=True, rollout_worker_timeout=60.0, max_concurrent_rollouts=16,
+        activation_checkpointing=False, disable_tqdm=True, rollout_worker_timeout=60.0, max_concurrent_rollouts=16,
         queue_maxsize=16,  # generation waits while the trainer steps: two cores, not shared with the server
     )  # fmt: skip
     settings.update(overrides)

@@ -39,7 +39,7 @@ REFERENCE_METRICS = (
     "rollout/drift_tokens_max", "rollout/score_queue_size", "rollout/score_s", "rollout/score_wait_s",
     "rollout/score_block_s", "rollout/vllm_retry_total", "rollout/backpressure_s", "rollout/concurrency_cap",
     "rollout/kv_cache_usage", "rollout/vllm_running_requests", "rollout/vllm_queued_requests",
-    "rollout/vllm_preemptions_total", "frac_reward_zero_std", "reward_kept", "reward",
+    "rollout/vllm_preemptions_total", "rollout/window_frac_reward_zero_std", "rollout/window_reward_kept", "reward",
     "completions/mean_length", "completions/min_length", "completions/max_length", "completions/clipped_ratio",
     "tools/call_frequency", "tools/failure_frequency", "tools/latency_s", "tools/<name>/latency_s",
     "tools/<name>/call_total", "tools/<name>/failure_total", "tools/unknown_name_total",
@@ -65,7 +65,7 @@ REFERENCE_METRICS = (
 # Logged beyond the reference, each for a reason the package README gives.
 BEYOND_REFERENCE = {
     "loss", "grad_norm", "learning_rate", "epoch",  # the Trainer's own
-    "reward_trained",  # mean reward of the samples the step trained (what the demo watches rise)
+    "rollout/window_reward",  # the reference's `reward` (every scored group of the rollout window)
     "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",  # GRPO's loss statistics
     "sync/logprob_max_abs_diff", "sync/logprob_mean_abs_diff",  # the post-sync parity probe
     "perf/weight_sync_stage_s", "perf/weight_sync_generation_paused_s", "perf/weight_sync_retries",
@@ -73,8 +73,12 @@ BEYOND_REFERENCE = {
     "rollout/prompt_too_long_total", "rollout/groups_stale_total", "rollout/rewards_nonfinite_total",
     "tools/parse_failure_total", "batch/row_tokens_min",
     "rollout/servers_serving", "rollout/server_restarts_total", "rollout/groups_redispatched_total",  # restarts
+    "rollout/server_paused_s",  # a server held by /pause (a killed trainer's sync), named within seconds
+    "sample/wasted_token_frac",  # generated tokens dropped untrained (stale, oversize) per trained token
 }  # fmt: skip
-# Deliberate differences from the reference: `perf/mfu_*` are logged here because the run gives
+# Deliberate differences from the reference: `reward` is the mean reward of the rollouts each optimizer step
+# trained, so it is logged every step; the rollout side's window values (the reference's `reward`,
+# `reward_kept`, `frac_reward_zero_std`) are `rollout/window_*`, since they arrive on their own clock; `perf/mfu_*` are logged here because the run gives
 # `device_peak_flops` (a CPU has no known peak: without it they are left out, as the reference says);
 # every `*_total` is a count within its logging window (the reference's wording for preemptions).
 
@@ -112,7 +116,7 @@ def run(training_server, untied_qwen3_dir, tmp_path_factory) -> LoggedRun:
     out = tmp_path_factory.mktemp("logged")
     args = AsyncGRPOConfig(
         output_dir=str(out / "run"), run_name="logged", vllm_server_base_url=training_server.url,
-        weight_sync_backend="disk", use_cpu=True, bf16=False, gradient_checkpointing=False, learning_rate=1e-4,
+        weight_sync_backend="disk", use_cpu=True, bf16=False, activation_checkpointing=False, learning_rate=1e-4,
         num_generations=4, max_completion_length=48, per_device_train_batch_size=8, token_budget=0,
         max_steps=STEPS, save_steps=SAVE_STEPS, report_to=["tensorboard", "trackio", "wandb"], disable_tqdm=True,
         log_completions=True, num_completions_to_print=SHOWN, device_peak_flops=1e12, rollout_worker_timeout=12,
@@ -159,6 +163,7 @@ def test_every_reference_metric_is_logged_and_the_extras_are_named(run):
         f"unlisted names: {sorted(logged - expected - BEYOND_REFERENCE)}"
     )
     assert [h["step"] for h in run.history] == list(range(1, STEPS + 1)), "one log per optimizer step"
+    assert all("reward" in h for h in run.history), "the trained reward on every optimizer step"
 
 
 @pytest.mark.server
@@ -225,7 +230,7 @@ def test_callbacks_receive_step_end_log_and_save_as_in_transformers(run):
     logs = [(s, logs) for kind, s, logs in events if kind == "log" and "loss" in logs]
     assert [s for s, _ in logs] == list(range(1, STEPS + 1)), "on_log once per optimizer step"
     assert all(math.isfinite(logs["perf/step_s"]) and "batch/samples_per_step" in logs for _, logs in logs)
-    assert any("reward" in logs and "rollout/concurrency_cap" in logs for _, logs in logs), "rollout side too"
+    assert any("rollout/window_reward" in logs and "rollout/concurrency_cap" in logs for _, logs in logs), "rollout side too"
 
 
 @pytest.mark.server

@@ -25,7 +25,7 @@ def _args(tmp_path, url: str, **overrides) -> AsyncGRPOConfig:
     settings = dict(
         output_dir=str(tmp_path / "run"), vllm_server_base_url=url, weight_sync_backend="disk", bf16=False,
         use_cpu=True, learning_rate=5e-3, num_generations=4, max_completion_length=12, per_device_train_batch_size=8,
-        token_budget=0, save_strategy="no", report_to="none", max_steps=3, gradient_checkpointing=False,
+        token_budget=0, save_strategy="no", report_to="none", max_steps=3, activation_checkpointing=False,
         disable_tqdm=True, max_staleness=1,
     )  # fmt: skip
     settings.update(overrides)

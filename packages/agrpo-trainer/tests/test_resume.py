@@ -1,6 +1,10 @@
-"""Checkpoint and resume against the real server (SPEC F-CKPT): the trainer process is killed with SIGKILL
-after a checkpoint, its rollout process notices and exits by itself, and a resumed run trains exactly the
-prompts the checkpoint had not trained: none twice, none skipped (from the recorded prompt keys)."""
+"""Checkpoint and resume against the real server (SPEC F-CKPT), the hard way: one run is SIGKILLed three
+times at different points (right after a checkpoint at which a group is partly trained, in the middle of a
+step, while the packer holds half of a group), resumed from its last checkpoint each time, and finishes its
+epoch. What was trained is read back from the packed rows each step fed the model (`resume_run.py`), and
+only the steps that survive into the final weights count (a run's steps after the checkpoint the next run
+resumed from were lost with it). Every prompt must be trained in exactly one run, or never when its group
+is dropped; and each killed trainer's rollout process must exit by itself."""
 
 from __future__ import annotations
 
@@ -9,75 +13,80 @@ import os
 import signal
 import subprocess
 import sys
-import time
+from collections import defaultdict
 from pathlib import Path
 
 import psutil
 import pytest
+from resume_run import NUM_GENERATIONS, NUM_PROMPTS, dropped
 from transformers.trainer_utils import get_last_checkpoint
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
-NUM_PROMPTS = 12
+KILLS = ["split-checkpoint", "mid-step", "half-group", "none"]
 
 
-def _start(server, model_dir, out: Path, record: Path, max_steps: int, *resume: str) -> subprocess.Popen:
+def _run(server, model_dir, out: Path, record: Path, kill: str, *resume: str) -> tuple[int, str]:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{HERE}", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, str(HERE / "resume_run.py"), server.url, str(model_dir), str(out), str(record),
-               str(max_steps), *resume]  # fmt: skip
-    log = open(out.parent / f"{record.stem}.log", "w")  # noqa: SIM115 - the child writes it until it exits
-    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+               kill, *resume]  # fmt: skip
+    log = out.parent / f"{record.stem}.log"
+    with open(log, "w") as f:
+        code = subprocess.run(command, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=500).returncode
+    return code, log.read_text()[-3000:]
 
 
 def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def _lin(key) -> int:
-    return key[0] * NUM_PROMPTS + key[1]
+def _assert_worker_exits(steps: list[dict]) -> None:
+    """The killed trainer's rollout process notices its parent is gone and exits by itself."""
+    if steps and psutil.pid_exists(steps[-1]["worker_pid"]):
+        psutil.Process(steps[-1]["worker_pid"]).wait(timeout=30)  # raises if it keeps running
 
 
 @pytest.mark.server
-def test_a_killed_trainer_resumes_without_training_a_prompt_twice_or_skipping_one(
+def test_a_run_killed_at_three_points_trains_every_prompt_exactly_once(
     training_server, untied_qwen3_dir, tmp_path
 ):
-    out, first, second = tmp_path / "run", tmp_path / "first.jsonl", tmp_path / "second.jsonl"
-    run = _start(training_server, untied_qwen3_dir, out, first, 1000)
-    deadline = time.monotonic() + 400
-    while time.monotonic() < deadline and not (len(_records(first)) >= 8 and get_last_checkpoint(str(out))):
-        assert run.poll() is None, (out.parent / "first.log").read_text()[-3000:]
-        time.sleep(0.5)
-    os.kill(run.pid, signal.SIGKILL)  # the trainer only: its rollout process must notice and exit
-    run.wait()
-    worker = (
-        psutil.Process(_records(first)[-1]["worker_pid"])
-        if psutil.pid_exists(_records(first)[-1]["worker_pid"])
-        else None
+    out = tmp_path / "run"
+    resumed_from, survived = 0, []  # survived: (run, step, {item: samples}) of the steps in the final weights
+    splits: dict[int, list] = {}
+    for run, kill in enumerate(KILLS):
+        record = tmp_path / f"run{run}.jsonl"
+        code, log = _run(training_server, untied_qwen3_dir, out, record, kill, *(["--resume"] if run else []))
+        lines = _records(record)
+        steps = [line for line in lines if "step" in line]
+        splits.update({line["checkpoint"]: line["split"] for line in lines if "checkpoint" in line})
+        if kill == "none":
+            assert code == 0, log
+            until = float("inf")
+        else:
+            assert code == -signal.SIGKILL and lines[-1].get("killed") == kill, (
+                f"{kill} never reached:\n{log}"
+            )
+            _assert_worker_exits(steps)
+            until = int(get_last_checkpoint(str(out)).rsplit("-", 1)[1])
+        assert [s["step"] for s in steps] == list(range(resumed_from + 1, resumed_from + 1 + len(steps))), log
+        survived += [(run, s["step"], s["items"]) for s in steps if s["step"] <= until]
+        resumed_from = until
+    assert any(splits[step] for step in splits), (
+        "no checkpoint fell inside a group: the split case went untested"
     )
-    if worker is not None:
-        worker.wait(timeout=30)  # raises if the orphaned rollout process keeps running
 
-    checkpoint = get_last_checkpoint(str(out))
-    saved_step = int(checkpoint.rsplit("-", 1)[1])
-    state = json.loads((Path(checkpoint) / "rollout_state.json").read_text())
-    before = [tuple(k) for r in _records(first) if r["step"] <= saved_step for k in r["prompts"]]
-    resume_from, done = _lin(state["resume_from"]), {_lin(k) for k in state["done"]}
-
-    resumed = _start(training_server, untied_qwen3_dir, out, second, saved_step + 6, "--resume")
-    assert resumed.wait(timeout=400) == 0, (out.parent / "second.log").read_text()[-3000:]
-    records = _records(second)
-    assert [r["step"] for r in records] == list(range(saved_step + 1, saved_step + 7))
-    after = [tuple(k) for r in records for k in r["prompts"]]
-
-    trained_before, trained_after = {_lin(k) for k in before}, {_lin(k) for k in after}
-    assert len(trained_before) == len(before) and len(trained_after) == len(after), "a prompt trained twice"
-    assert not trained_before & trained_after, (
-        f"trained before the checkpoint and again: {trained_before & trained_after}"
-    )
-    # Nothing skipped: every prompt before the saved position was trained before it (no group is ever
-    # dropped with rank_reward), the position's own prompt is trained after the resume, and the prompts
-    # the state marks done after the position are exactly the ones trained before the checkpoint.
-    assert set(range(resume_from)) <= trained_before
-    assert resume_from in trained_after
-    assert done == {k for k in trained_before if k >= resume_from}
-    assert all(k >= resume_from and k not in done for k in trained_after)
+    trained = defaultdict(lambda: defaultdict(int))  # item -> run -> samples trained
+    for run, _, items in survived:
+        for item, samples in items.items():
+            trained[int(item)][run] += samples
+    kept = {i for i in range(NUM_PROMPTS) if not dropped(i)}
+    assert set(trained) == kept, f"skipped: {kept - set(trained)}, dropped but trained: {set(trained) - kept}"
+    twice = {item: dict(runs) for item, runs in trained.items() if len(runs) > 1}
+    assert not twice, f"prompts trained in two runs: {twice}"
+    for item, runs in trained.items():
+        (samples,) = runs.values()
+        assert 1 <= samples <= NUM_GENERATIONS, f"item {item}: {samples} samples trained"
+        if (
+            samples < NUM_GENERATIONS
+        ):  # only a group split by the checkpoint a resume started from loses samples
+            assert any([0, item] in split for split in splits.values()), f"item {item} lost samples unsplit"

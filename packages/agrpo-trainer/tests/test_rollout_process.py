@@ -26,7 +26,7 @@ def config(tmp_path, url="http://127.0.0.1:9", **overrides) -> AsyncGRPOConfig:
         output_dir=str(tmp_path / "run"), vllm_server_base_url=url, weight_sync_backend="disk", bf16=False,
         use_cpu=True, learning_rate=1e-3, num_generations=4, max_completion_length=12,
         per_device_train_batch_size=8, token_budget=0, save_strategy="no", report_to="none", max_steps=3,
-        gradient_checkpointing=False, disable_tqdm=True, rollout_worker_timeout=60.0,
+        activation_checkpointing=False, disable_tqdm=True, rollout_worker_timeout=60.0,
     )  # fmt: skip
     settings.update(overrides)
     return AsyncGRPOConfig(**settings)

@@ -92,7 +92,7 @@ def _config(tmp_path: Path, urls, **overrides) -> AsyncGRPOConfig:
         output_dir=str(tmp_path / "run"), vllm_server_base_url=urls, weight_sync_backend="disk", bf16=False,
         use_cpu=True, learning_rate=1e-4, num_generations=4, max_completion_length=8,
         per_device_train_batch_size=8, token_budget=0, save_strategy="no", report_to="none", max_steps=-1,
-        num_train_epochs=1, gradient_checkpointing=False, disable_tqdm=True, rollout_worker_timeout=60.0,
+        num_train_epochs=1, activation_checkpointing=False, disable_tqdm=True, rollout_worker_timeout=60.0,
         max_concurrent_rollouts=8, queue_maxsize=8, max_staleness=1000, vllm_server_timeout=300.0,
     )  # fmt: skip
     settings.update(overrides)

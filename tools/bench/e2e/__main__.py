@@ -46,7 +46,7 @@ def _config(
 ) -> LockstepConfig:
     return LockstepConfig(
         output_dir=output_dir, vllm_server_base_url=url, weight_sync_backend="disk", bf16=False, use_cpu=True,
-        gradient_checkpointing=False, learning_rate=1e-3, num_generations=generations, max_completion_length=32,
+        activation_checkpointing=False, learning_rate=1e-3, num_generations=generations, max_completion_length=32,
         per_device_train_batch_size=groups * generations, token_budget=0, max_steps=steps, save_strategy="no",
         report_to="none", disable_tqdm=True, sync_parity_probe_tokens=0, samples_per_step=groups * generations,
         max_concurrent_rollouts=groups * generations, max_staleness=10_000 if lockstep else 4,

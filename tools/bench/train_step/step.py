@@ -10,7 +10,8 @@ gradient checkpointing is on), optimizer. Rows reach the device by one of `ROW_P
 `thread` and `sequential` are kept to measure the alternatives (`row_paths.py`).
 `gpu_idle_profile` profiles one step and returns the share of its GPU span during which no kernel ran
 (the GPU waiting for the host: planning, collation, syncs, launches), split into gaps of 1 ms or more
-and shorter ones. Does not know model shapes or reporting.
+and shorter ones, with the busy time split by kernel kind (matmul, attention, compiled Triton, copies and
+casts, optimizer; `kernel_split`). Does not know model shapes or reporting.
 """
 
 from __future__ import annotations
@@ -110,10 +111,11 @@ def _device_rows(model, rows: list[PackedRow], path: str):
 
 def timed_step(
     model, optimizer, rows: list[PackedRow], *, amp: bool, path: str = "inline", world_size: int = 1,
-    step_tokens: int | None = None,
+    step_tokens: int | None = None, before_optimizer=None,
 ) -> StepTimes:  # fmt: skip
     """One optimizer step over `rows` (one micro-batch each), as the trainer runs it. With several ranks,
-    `rows` are this rank's and `step_tokens` the trained tokens of the whole step (all ranks)."""
+    `rows` are this rank's and `step_tokens` the trained tokens of the whole step (all ranks).
+    `before_optimizer()` runs where the Trainer's `on_pre_optimizer_step` callbacks do."""
     device = next(model.parameters()).device
     clock, times = _Clock(device), StepTimes()
     head_marks: list = []
@@ -138,7 +140,9 @@ def timed_step(
             loss.backward()
             loss_sum += loss.detach().float()
             marks.append((start, head_marks[-1], scored, clock.mark()))
-        before_optimizer = clock.mark()
+        if before_optimizer is not None:
+            before_optimizer()
+        optimizer_start = clock.mark()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         done = clock.mark()
@@ -153,7 +157,7 @@ def timed_step(
         times.forward_s += clock.seconds(start, head)
         times.head_s += clock.seconds(head, scored)
         times.backward_s += clock.seconds(scored, backward)
-    times.optimizer_s = clock.seconds(before_optimizer, done)
+    times.optimizer_s = clock.seconds(optimizer_start, done)
     return times
 
 
@@ -176,6 +180,37 @@ def _innermost_cpu_op(events, at: float) -> str:
         ):
             best = (e.time_range.elapsed_us(), e.name)
     return best[1] if best else "?"
+
+
+_KERNEL_KINDS = (
+    ("optimizer", ("multi_tensor", "adam", "foreach")),
+    ("attention", ("flash", "fmha", "attn", "flex", "triton_tem")),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "wgmma", "sm90_", "splitk")),
+    ("compiled (triton)", ("triton_",)),
+    ("copy / cast / fill", ("copy", "memcpy", "memset", "fill", "cast", "convert")),
+    ("other eager elementwise / reduce", ("elementwise", "vectorized", "reduce", "index", "scatter", "gather")),
+)
+"""Kernel name fragments (lower case) -> kind, first match wins; everything else is "other"."""
+
+
+def kernel_split(events) -> dict:
+    """Share of the GPU's busy time per kernel kind (`_KERNEL_KINDS`), and the five costliest kernels (ms)."""
+    per_kind: dict[str, float] = {}
+    per_name: dict[str, float] = {}
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name, us = e.name, e.time_range.elapsed_us()
+        lower = name.lower()
+        kind = next((k for k, parts in _KERNEL_KINDS if any(p in lower for p in parts)), "other")
+        per_kind[kind] = per_kind.get(kind, 0.0) + us
+        per_name[name] = per_name.get(name, 0.0) + us
+    total = sum(per_kind.values()) or 1.0
+    top = sorted(per_name.items(), key=lambda kv: -kv[1])[:5]
+    return {
+        "kinds": {k: round(v / total, 4) for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1])},
+        "top_kernels_ms": [(name[:80], round(us / 1e3, 1)) for name, us in top],
+    }
 
 
 def gpu_idle_profile(run, *, host_ops: bool = False) -> dict:
@@ -203,6 +238,7 @@ def gpu_idle_profile(run, *, host_ops: bool = False) -> dict:
         "idle_frac": sum(g for g, _ in gaps) / span if span > 0 else 0.0,
         "long_gap_frac": sum(g for g, _ in long_gaps) / span if span > 0 else 0.0,
         "long_gaps": len(long_gaps),
+        "kernel_split": kernel_split(events),
     }
     if host_ops:
         cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]

@@ -1,8 +1,9 @@
 """`AttentionBackend`: the protocol every tree-attention kernel implements.
 
 Owns the contract between the transformers-facing attention function and the kernels: shapes in and
-out, and the two-phase life of a backend (`prepare` once per forward, `attend` once per layer). Does
-not know any kernel (see `_backends/`), nor transformers.
+out, the two-phase life of a backend (`prepare` once per forward, `attend` once per layer), and how
+it runs inside a compiled decoder layer (`under_compile`). Does not know any kernel (see `_backends/`),
+nor transformers.
 
 Legend: Hq/Hkv = query/key-value heads, N = packed tokens, D = head dim.
 """
@@ -27,6 +28,10 @@ class AttentionBackend(Protocol):
     """The q/k/v dtypes `attend` runs (flash kernels: fp16 and bf16); None = any floating dtype."""
     forward_only_on: tuple[str, ...]
     """Device types where `attend` has no backward (usable for inference there, not for training)."""
+    under_compile: str
+    """How `attend` runs inside a torch.compile'd decoder layer: "trace" (dynamo traces it into the graph,
+    row sizes as dynamic shapes), "custom_op" (an opaque agrpo custom op; the backend then also has
+    `attend_backward`), or "eager" (a graph break around it: not traceable, or untested under compile)."""
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         """None if the backend runs on `device` here, else why not and how to fix it."""

@@ -111,8 +111,8 @@ def enable_tree_attention(
     """Switch `model` (a transformers causal LM, already on its device) to tree attention; returns the backend
     name chosen. `backend`: "auto", "reference", "flex", "varlen", "cascade", "adaptive", "fa3", "fa4" or "aiter";
     "auto" picks by device and by the parameters' dtype (float32 weights never get a half-precision-only
-    kernel). `deltanet_kernel` (hybrids only): "auto" ("fla" on CUDA with fla-core installed, else "torch"),
-    "torch" or "fla"."""
+    kernel). `deltanet_kernel` (hybrids only): "auto" ("fla" where fla-core's kernels train, else "triton" on
+    CUDA with triton, else "torch"), "torch" (the PyTorch rule, forced), "triton" or "fla"."""
     config = _text_config(model)
     deltanets = _deltanet_modules(model, config)
     device = next(model.parameters()).device

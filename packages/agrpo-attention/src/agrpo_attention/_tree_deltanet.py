@@ -1,27 +1,45 @@
 """Tree Gated DeltaNet: a Qwen3.5-style linear-attention layer run over a packed prefix tree.
 
 Owns the layer's tree forward (same weights, same math as transformers' `Qwen3_5GatedDeltaNet`):
-projections per token; the short causal convolution along each token's own path (halo layout of
-`DeltaNetPlan`); the chunked gated delta rule run level by level, each segment starting from its
-parent's final state; gated RMSNorm and the output projection per token. Also owns the table of
-delta-rule kernels ("torch": pure PyTorch, any device; "fla": fla-core's Triton kernels, CUDA) and
-the check that a module has the projection layout this forward reads. Does not know attention
-backends or how the module got patched (see `_model_patch.py`).
+projections per token; the short causal convolution along each token's own path (the halo layout of
+`DeltaNetPlan` in PyTorch, the definition; agrpo's Triton kernels reading tokens in place on CUDA,
+`_path_conv_triton.py`); the chunked gated delta rule, each segment starting from its parent's final state
+(level by level, or the whole tree in one call of agrpo's Triton rule); gated RMSNorm and the output
+projection per token. Also owns the table of delta-rule kernels ("torch": pure PyTorch, any device, the
+definition; "fla": fla-core's Triton kernels, CUDA; "triton": agrpo's own Triton kernels, CUDA, for where
+fla's backward is refused), how "auto" picks among them, which convolution goes with each, and the check
+that a module has the projection layout this forward reads. Does not know attention backends or how the
+module got patched (see `_model_patch.py`).
 
 Legend: N = packed tokens, C = conv channels (2 * key_dim + value_dim), Hk/Hv = heads, dk/dv = dims.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from ._delta_rule_fla import fla_unavailable_reason, fla_varlen_gated_delta_rule
 from ._delta_rule_torch import varlen_gated_delta_rule
+from ._delta_rule_triton import (
+    runs_fused,
+    triton_tree_delta_rule,
+    triton_unavailable_reason,
+    triton_varlen_gated_delta_rule,
+)
 from ._deltanet_plan import DeltaNetPlan
 from ._exceptions import BackendUnavailableError, UnsupportedModelError
+from ._path_conv_triton import triton_path_conv
 
-DELTA_RULE_KERNELS = {"torch": varlen_gated_delta_rule, "fla": fla_varlen_gated_delta_rule}
+DELTA_RULE_KERNELS = {
+    "torch": varlen_gated_delta_rule,
+    "fla": fla_varlen_gated_delta_rule,
+    "triton": triton_varlen_gated_delta_rule,
+}
+_UNAVAILABLE_REASON = {"fla": fla_unavailable_reason, "triton": triton_unavailable_reason}
+_AUTO_ORDER = ("fla", "triton")  # fla-core where it trains (it is the maintained kernel), then ours
 
 _REQUIRED_ATTRIBUTES = (
     "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "A_log", "dt_bias", "norm",
@@ -46,22 +64,24 @@ def check_deltanet_module(module: torch.nn.Module, name: str) -> None:
 
 
 def resolve_delta_rule_kernel(name: str, device: torch.device) -> str:
-    """ "auto" -> "fla" on CUDA when fla-core is installed, else "torch"; explicit names are checked."""
+    """ "auto" -> "fla" where fla-core's kernels train (CUDA, installed, not hit by fla issue #640), else
+    "triton" (CUDA with triton), else "torch"; explicit names are checked against the device."""
     if name == "auto":
-        return "fla" if fla_unavailable_reason(device) is None else "torch"
+        return next((k for k in _AUTO_ORDER if _UNAVAILABLE_REASON[k](device) is None), "torch")
     if name not in DELTA_RULE_KERNELS:
         raise BackendUnavailableError(
             f"deltanet_kernel={name!r}; expected 'auto' or one of {sorted(DELTA_RULE_KERNELS)}"
         )
-    if name == "fla" and (reason := fla_unavailable_reason(device)) is not None:
-        raise BackendUnavailableError(f"deltanet_kernel='fla' cannot run here: {reason}")
+    if name in _UNAVAILABLE_REASON and (reason := _UNAVAILABLE_REASON[name](device)) is not None:
+        raise BackendUnavailableError(f"deltanet_kernel={name!r} cannot run here: {reason}")
     return name
 
 
 def path_conv(
     mixed: torch.Tensor, conv: torch.nn.Conv1d, plan: DeltaNetPlan, activation: str
 ) -> torch.Tensor:
-    """mixed (N, C) -> depthwise causal conv along each token's path, then the activation, (N, C)."""
+    """mixed (N, C) -> depthwise causal conv along each token's path, then the activation, (N, C): the
+    definition (halo copy, one conv1d; autocast runs it in bf16)."""
     padded = torch.cat([mixed, mixed.new_zeros(1, mixed.shape[1])])
     halo = padded.index_select(0, plan.halo_index)  # (E, C)
     weight = conv.weight  # (C, 1, K)
@@ -70,8 +90,24 @@ def path_conv(
     return _ACTIVATIONS[activation](out).to(mixed.dtype)
 
 
+@functools.cache
+def _triton_runs(device: torch.device) -> bool:
+    return triton_unavailable_reason(device) is None
+
+
+def layer_path_conv(mixed: torch.Tensor, module, plan: DeltaNetPlan, kernel: str) -> torch.Tensor:
+    """The layer's path convolution: agrpo's Triton kernels with the GPU delta-rule kernels ("triton", "fla")
+    where agrpo's Triton rule could run (NVIDIA, compute capability >= 8), else the definition."""
+    if kernel != "torch" and mixed.is_cuda and mixed.dtype != torch.float64 and _triton_runs(mixed.device):
+        return triton_path_conv(mixed, module.conv1d, plan.conv, module.activation)
+    return path_conv(mixed, module.conv1d, plan, module.activation)
+
+
 def tree_delta_rule(q, k, v, g, beta, plan: DeltaNetPlan, kernel: str) -> torch.Tensor:
-    """q/k (1, N, Hk, dk), v (1, N, Hv, dv), g/beta (1, N, Hv) -> output (1, N, Hv, dv)."""
+    """q/k (1, N, Hk, dk), v (1, N, Hv, dv), g/beta (1, N, Hv) -> output (1, N, Hv, dv). "triton" runs the
+    whole tree in one call (`triton_tree_delta_rule`); the others, and triton's fallbacks, level by level."""
+    if kernel == "triton" and runs_fused(q, k, v, g, beta):
+        return triton_tree_delta_rule(q, k, v, g, beta, plan.segments)[0]
     run = DELTA_RULE_KERNELS[kernel]
     outputs, final = [], None
     for level in plan.levels:
@@ -92,7 +128,7 @@ def tree_deltanet_forward(
 ) -> torch.Tensor:
     """The tree forward of one Qwen3.5 Gated DeltaNet `module`: hidden (1, N, H) -> (1, N, H)."""
     num_tokens = hidden_states.shape[1]
-    mixed = path_conv(module.in_proj_qkv(hidden_states)[0], module.conv1d, plan, module.activation)
+    mixed = layer_path_conv(module.in_proj_qkv(hidden_states)[0], module, plan, kernel)
     query, key, value = torch.split(mixed, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
     query = query.reshape(1, num_tokens, -1, module.head_k_dim)
     key = key.reshape(1, num_tokens, -1, module.head_k_dim)

@@ -44,6 +44,10 @@ class TreeLayout:
     """Longest root-to-segment path."""
     is_flat: bool
     """True when every segment is a root: nothing is shared and `kv_index` is the identity."""
+    host_offsets: torch.Tensor
+    """(2, S + 1) int64 on the host: `q_offsets` and `kv_offsets`. A compiled graph hands it to the tree
+    attention custom op (`_attention_op.py`), which rebuilds the host-side fields from it without a device
+    sync and without the graph depending on the row's segment count."""
 
     @property
     def num_segments(self) -> int:
@@ -103,4 +107,32 @@ def build_tree_layout(
         max_q=int(seg_len.max(initial=0)),
         max_k=int(np.diff(kv_offsets).max(initial=0)),
         is_flat=bool((parents < 0).all()),
+        host_offsets=torch.from_numpy(np.stack([q_offsets, kv_offsets])),
+    )
+
+
+def layout_from_tensors(
+    q_offsets: torch.Tensor,
+    kv_index: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    subtree_end: torch.Tensor,
+    host_offsets: torch.Tensor,
+) -> TreeLayout:
+    """The layout whose tensors these are (the host fields recomputed from `host_offsets`): what the tree
+    attention custom op sees of a `TreeLayout`, since a custom op takes tensors only."""
+    q_host, kv_host = (tuple(int(x) for x in row) for row in host_offsets.tolist())
+    seg_len = np.diff(np.asarray(q_host))
+    path_len = np.diff(np.asarray(kv_host))
+    return TreeLayout(
+        num_tokens=q_host[-1],
+        q_offsets=q_offsets,
+        kv_index=kv_index,
+        kv_offsets=kv_offsets,
+        subtree_end=subtree_end,
+        q_offsets_host=q_host,
+        kv_offsets_host=kv_host,
+        max_q=int(seg_len.max(initial=0)),
+        max_k=int(path_len.max(initial=0)),
+        is_flat=bool((seg_len == path_len).all()),  # a path no longer than its segment has no ancestor
+        host_offsets=host_offsets,
     )

@@ -6,7 +6,9 @@ model's settings decide backend, device and layer plans) or standalone for kerne
 benchmarks (attention only). Building does host-side index work and copies small index tensors to the
 device; a trainer can build the next row's plan while the current one trains: with `non_blocking` the
 copies go through pinned memory and are only queued on the current stream, so building never waits
-for the GPU to finish the work already queued (backends' `prepare` then runs as queued device work). Does not know
+for the GPU to finish the work already queued (backends' `prepare` then runs as queued device work).
+Inside a torch.compile'd decoder layer `attend` runs the backend as its `under_compile` says: traced into
+the graph, through the custom op of `_attention_op.py`, or behind a graph break. Does not know
 transformers.
 """
 
@@ -19,6 +21,7 @@ import torch
 from agrpo_packing import PackedRow
 
 from ._attention_backend import AttentionBackend
+from ._attention_op import tree_attention_op
 from ._backends import resolve_backend
 from ._deltanet_plan import DeltaNetPlan, build_deltanet_plan
 from ._exceptions import UnsupportedModelError
@@ -49,9 +52,21 @@ class TreePlan:
         """Tree attention of one layer: query (1, Hq, N, D), key/value (1, Hkv, N, D) -> (1, N, Hq, D)."""
         check_input_dtypes(self.backend, query, key, value)
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-        return self.backend.attend(
-            query, key, value, self.layout, self.attention_state, scaling=scaling, softcap=softcap
-        )
+        compiling = torch.compiler.is_compiling()
+        if compiling and self.backend.under_compile == "custom_op":
+            return tree_attention_op(
+                self.backend.name, query, key, value, self.layout, scaling=scaling, softcap=softcap
+            )
+        attend = _behind_graph_break if compiling and self.backend.under_compile == "eager" else _attend
+        return attend(self.backend, query, key, value, self.layout, self.attention_state, scaling, softcap)
+
+
+def _attend(backend, query, key, value, layout, state, scaling, softcap):
+    return backend.attend(query, key, value, layout, state, scaling=scaling, softcap=softcap)
+
+
+_behind_graph_break = torch.compiler.disable(_attend)
+"""A backend dynamo cannot trace runs eagerly between two compiled graphs."""
 
 
 def check_input_dtypes(backend: AttentionBackend, query, key, value) -> None:

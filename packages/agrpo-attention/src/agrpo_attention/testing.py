@@ -7,7 +7,8 @@ runs, built from the torch + transformers this package already needs, which is w
 agrpo-packing has no transformers and agrpo-rollout no torch. Tests, README examples, the demo and
 benchmarks of every agrpo package use them; nothing touches the network.
 
-By hand: `python -m agrpo_attention.testing OUT_DIR [--kind hybrid]` writes a model vLLM can serve.
+By hand: `python -m agrpo_attention.testing OUT_DIR [--kind hybrid]` writes the model files vLLM reads (the
+CPU build serves `qwen3`; it cannot import its Qwen3.5 hybrid code without torchvision: agrpo_rollout.testing).
 """
 
 from __future__ import annotations

@@ -195,7 +195,9 @@ def _required_columns(args: argparse.Namespace) -> dict[str, str]:
                 f"--dataset ({args.dataset} is a file), or use --reward exact/contains/module:function"
             )
         if REWARD_COLUMNS.get(spec) == "answer":
-            required[args.answer_column] = f"--reward {spec} compares completions with; pass --answer-column naming it"
+            required[args.answer_column] = (
+                f"--reward {spec} compares completions with; pass --answer-column naming it"
+            )
     return required
 
 

@@ -34,24 +34,29 @@ large-KV CPU servers: `tools/bench/concurrency`.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from ._server_load import ServerLoad
 
-if TYPE_CHECKING:
-    from ._concurrency import ConcurrencyController
+
+class CapState(Protocol):
+    """What a rule reads of the slots it advises; `ConcurrencyController` implements it (this module owns the
+    interface, so the controller imports the rules and not the other way round)."""
+
+    cap: int
+    bound: int
+    in_flight: int
+    cut_pending: bool
 
 
 class CapRule(Protocol):
     """What a rule answers: the cap it wants after a `/metrics` reading or a completed rollout."""
 
-    def on_load(
-        self, controller: ConcurrencyController, load: ServerLoad, previous: ServerLoad | None
-    ) -> int:
+    def on_load(self, controller: CapState, load: ServerLoad, previous: ServerLoad | None) -> int:
         """The cap after a reading (`previous` is the reading before it, None at first)."""
         ...
 
-    def on_release(self, controller: ConcurrencyController) -> int:
+    def on_release(self, controller: CapState) -> int:
         """The cap after a rollout completed."""
         ...
 
@@ -68,20 +73,18 @@ class KVUsageRule:
         self.completed_since_raise = 0
         self._calm = False
 
-    def _maybe_raise(self, controller: ConcurrencyController) -> int:
+    def _maybe_raise(self, controller: CapState) -> int:
         cap = controller.cap
         if self._calm and cap < controller.bound and self.completed_since_raise >= cap:
             self.completed_since_raise = 0
             return max(cap + 1, math.ceil(cap * self.RAISE_FACTOR))
         return cap
 
-    def on_release(self, controller: ConcurrencyController) -> int:
+    def on_release(self, controller: CapState) -> int:
         self.completed_since_raise += 1
         return self._maybe_raise(controller)
 
-    def on_load(
-        self, controller: ConcurrencyController, load: ServerLoad, previous: ServerLoad | None
-    ) -> int:
+    def on_load(self, controller: CapState, load: ServerLoad, previous: ServerLoad | None) -> int:
         self._calm = load.waiting_requests == 0 and load.kv_cache_usage < self.RAISE_BELOW_KV
         if not self._calm:
             self.completed_since_raise = 0
@@ -108,14 +111,12 @@ class GoodputRule:
         self.completed_since_change = 0
         self.preempted_before = 0
 
-    def on_release(self, controller: ConcurrencyController) -> int:
+    def on_release(self, controller: CapState) -> int:
         self.completed_since_reading += 1
         self.completed_since_change += 1
         return controller.cap
 
-    def on_load(
-        self, controller: ConcurrencyController, load: ServerLoad, previous: ServerLoad | None
-    ) -> int:
+    def on_load(self, controller: CapState, load: ServerLoad, previous: ServerLoad | None) -> int:
         cap, completed = controller.cap, self.completed_since_reading
         self.completed_since_reading = 0
         if previous is None:

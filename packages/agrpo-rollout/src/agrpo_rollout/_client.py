@@ -16,7 +16,9 @@ Under a `ServerPool` the client also has a `gate` (its `PooledServer`): each att
 first passes `gate.admit()` (it waits out an identity check, and raises `ServerLostError` once the process
 the rollout was generating on is gone), and a transport failure is reported to `gate.transport_failed()`
 before the retry, so the next attempt goes to a server that was checked. Requests outside a rollout (the
-start-up probe, the pool's own checks) are not gated.
+start-up probe, the pool's own checks) are not gated. The client also counts its generation requests in
+flight and when one last finished (`stalled_s`): a server paused by `/pause` holds them without an error,
+which is how `ServerPause` (`_server_pause.py`) sees it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any, Protocol
 import httpx
 import numpy as np
 
+from ._candidate_set import candidate_logprobs, split_candidate_sets
 from ._completion_response import decode_completion, decode_generate
 from ._config import RolloutConfig
 from ._exceptions import RequestRejectedError, ServerUnavailableError
@@ -43,9 +46,15 @@ logger = logging.getLogger("agrpo_rollout")
 POLICY_VERSION: ContextVar[int] = ContextVar("agrpo_policy_version", default=0)
 """The policy version of the group a request belongs to; the loop sets it when it dispatches a group, and a
 `model_name` template with `{version}` (LoRA adapter sync) names that version's adapter."""
+KEEPALIVE_EXPIRY_S = 2.0
+"""How long an idle pooled connection is reused. vLLM's server (uvicorn) closes an idle connection after
+`VLLM_HTTP_TIMEOUT_KEEP_ALIVE` = 5 s; with httpx's default of 5 s too, a request that reuses a connection the
+server is closing at that instant fails with a reset (`ReadError`) and is retried: the retries a healthy
+server showed. Well under the server's limit, a healthy run retries nothing."""
 _MAX_BACKOFF_S = 16.0
 _RETRY_STATUS = frozenset({408, 429})
 _RETRY_LOG_INTERVAL_S = 10.0
+_GENERATION_PATHS = frozenset({COMPLETIONS_PATH, GENERATE_PATH, "/v1/chat/completions"})
 
 
 class RequestGate(Protocol):
@@ -70,6 +79,10 @@ class VLLMClient:
         self.base_url = (base_url or config.server_urls[0]).rstrip("/")
         """This client's server: `base_url`, or the config's first one."""
         self.retry_total = 0
+        self.generating = 0
+        """Generation requests (`/v1/completions`, `/inference/v1/generate`, chat) waiting for an answer now."""
+        self.progress_at = time.monotonic()
+        """When a generation request last ended, or one started with none in flight (`stalled_s`)."""
         self.gate: RequestGate | None = None
         self.server: ServerInfo | None = None
         self._transport = transport
@@ -87,7 +100,11 @@ class VLLMClient:
                 timeout=httpx.Timeout(
                     self.config.vllm_server_timeout, connect=min(10.0, self.config.vllm_server_timeout)
                 ),
-                limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+                limits=httpx.Limits(
+                    max_connections=connections,
+                    max_keepalive_connections=connections,
+                    keepalive_expiry=KEEPALIVE_EXPIRY_S,
+                ),
                 transport=self._transport,
             )
         return self
@@ -130,7 +147,7 @@ class VLLMClient:
             if self.gate is not None:
                 await self.gate.admit()
             try:
-                response = await self._http.request(method, path, **kwargs)
+                response = await self._timed_request(method, path, **kwargs)
             except httpx.TransportError as exc:  # connection refused/reset, timeouts, protocol errors
                 last_error, last_exc = f"{type(exc).__name__}: {exc}", exc
                 if self.gate is not None:
@@ -150,6 +167,24 @@ class VLLMClient:
             f"{method} {self.base_url}{path} failed {attempts} times; last error: "
             f"{last_error}. Check that the server is up, or raise vllm_max_retries / vllm_server_timeout"
         ) from last_exc
+
+    async def _timed_request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """One attempt; a generation request is counted in `generating` while it waits (`stalled_s`)."""
+        if path not in _GENERATION_PATHS:
+            return await self._http.request(method, path, **kwargs)
+        if not self.generating:
+            self.progress_at = time.monotonic()
+        self.generating += 1
+        try:
+            return await self._http.request(method, path, **kwargs)
+        finally:
+            self.generating -= 1
+            self.progress_at = time.monotonic()
+
+    def stalled_s(self) -> float:
+        """Seconds generation requests have been in flight with none finished (0 with none in flight): how a
+        paused server shows from here (`ServerPause`)."""
+        return time.monotonic() - self.progress_at if self.generating else 0.0
 
     def _log_retry(self, request: str, error: str, attempt: int, retries: int) -> None:
         """One warning per `_RETRY_LOG_INTERVAL_S` at most, counting the retries it stands for."""
@@ -220,7 +255,14 @@ class VLLMClient:
             response = await self.request("POST", GENERATE_PATH, json=body)
             return decode_generate(response.content, prompt, num_top)
         response = await self.request("POST", COMPLETIONS_PATH, json=self.completion_body(prompt, max_tokens))
-        return decode_completion(response.content, prompt, num_top)
+        if not self.config.truncates_vocabulary:
+            return decode_completion(response.content, prompt, num_top)
+        turn = decode_completion(response.content, prompt, candidate_logprobs(self.config))
+        if turn.output_sampler_logprobs is not None:  # candidate sets from the processed log-probs
+            turn.output_sampler_logprobs, turn.output_sampling_mask = split_candidate_sets(
+                turn.output_sampler_logprobs, turn.output_ids, self.config, self.base_url
+            )
+        return turn
 
     def request_model(self) -> str | None:
         """The `model` of a request: a `{version}` template names the adapter of the group's policy version."""
@@ -245,7 +287,7 @@ class VLLMClient:
             "prompt": prompt,
             "max_tokens": max_tokens,
             "n": 1,
-            "logprobs": self.config.num_sampler_logprobs,
+            "logprobs": candidate_logprobs(self.config),
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
             "skip_special_tokens": False,

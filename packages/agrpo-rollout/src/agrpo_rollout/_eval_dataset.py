@@ -221,5 +221,7 @@ def fit_context(data: EvalRows, lengths: list[int], max_model_len: int, *, skip_
             )
         skipped.append(f"{where}: {problem}")
     if not rows:
-        raise DatasetError(f"no usable rows: all {len(skipped)} are malformed or too long, first: {skipped[0]}")
+        raise DatasetError(
+            f"no usable rows: all {len(skipped)} are malformed or too long, first: {skipped[0]}"
+        )
     return EvalRows(rows, skipped, origins)

@@ -144,7 +144,8 @@ class EvalReport:
         lines = [
             title,
             f"  prompts       {self.num_prompts} x {self.k} rollouts = {self.num_rollouts}",
-            f"  mean reward   {self.mean_reward:.4f}" + (f"   ({by_func})" if len(self.mean_reward_by_func) > 1 else ""),
+            f"  mean reward   {self.mean_reward:.4f}"
+            + (f"   ({by_func})" if len(self.mean_reward_by_func) > 1 else ""),
             f"  pass@1        {self.pass_at_1:.4f}   (mean per-prompt fraction of rollouts with reward >= "
             f"{self.pass_threshold:g})",
             f"  pass@{self.k:<9}{self.pass_at_k:.4f}   (prompts with at least one such rollout among {self.k})",
@@ -153,7 +154,9 @@ class EvalReport:
             f"  throughput    {self.tokens_per_s:.1f} tokens/s over {self.wall_s:.1f} s",
         ]
         if self.num_unscored:
-            lines.append(f"  unscored      {self.num_unscored} rollouts no reward scored (counted as failures)")
+            lines.append(
+                f"  unscored      {self.num_unscored} rollouts no reward scored (counted as failures)"
+            )
         return "\n".join(lines)
 
 

@@ -34,6 +34,7 @@ from ._rollout_tasks import RolloutTasks
 from ._server_pool import ServerPool
 
 _QUEUE_POLL_S = 0.02
+_TRAINABLE_CHECK_S = 0.25
 _RETIRED_WAIT_S = 30.0
 """How long a 404 for a group's adapter waits for a newer policy version before it counts as an error."""
 
@@ -63,6 +64,10 @@ class GroupDispatch:
     on_group: Callable[[GroupOutcome], None] | None = None
     on_draw: Callable[[int, int], None] | None = None
     max_groups: int | None = None
+    may_dispatch: Callable[[], bool] | None = None
+    """The caller's hold on new groups (a trainer: none that could not be trained within its staleness)."""
+    trainable: Callable[[int], bool] | None = None
+    """Whether a group started at this policy version can still be trained; one that cannot is cancelled."""
     redispatched: int = 0
     """Groups abandoned because their server lost its process; their prompts were dispatched again."""
 
@@ -75,6 +80,7 @@ class GroupDispatch:
         group_id = 0
         while True:
             await self._score_queue_room()
+            await self._caller_room()
             if (draw := await self._next_draw()) is None:
                 break
             columns = {k: [v] * self.config.num_generations for k, v in draw.row.items() if k != "prompt"}
@@ -92,6 +98,12 @@ class GroupDispatch:
         rollout gives its slot back when it ends, so slots alone would let finished groups pile up without
         bound in front of a full queue."""
         while self.queue.full():
+            await asyncio.sleep(_QUEUE_POLL_S)
+
+    async def _caller_room(self) -> None:
+        """No new group while the caller's `may_dispatch` says no (a prompt handed back waits too: it is new
+        work for the server all the same)."""
+        while self.may_dispatch is not None and not self.may_dispatch():
             await asyncio.sleep(_QUEUE_POLL_S)
 
     async def _next_draw(self) -> PromptDraw | None:
@@ -140,7 +152,14 @@ class GroupDispatch:
 
     async def _collect(self, tasks: list[asyncio.Task], group: RolloutGroup, draw: PromptDraw) -> None:
         try:
-            finished = await asyncio.gather(*tasks)
+            finished = await self._finished_while_trainable(tasks, group)
+        except _Untrainable:  # its requests are closed, so the server aborts them: no more work on it
+            self.metrics.groups_cancelled += 1
+            if self.on_group is not None:
+                self.on_group(
+                    GroupOutcome(group.row_index, group.epoch, group.group_id, False, "stale", 0, group)
+                )
+            return
         except ServerLostError:  # its server's process is gone: the prompt goes again, first in line
             await _cancelled(tasks)
             self.redispatched += 1
@@ -161,6 +180,19 @@ class GroupDispatch:
         await self.queue.put(group)
         self.metrics.score_block_s += time.monotonic() - blocked
 
+    async def _finished_while_trainable(self, tasks: list[asyncio.Task], group: RolloutGroup) -> list[Any]:
+        """The group's finished rollouts; raises `_Untrainable` (its rollouts cancelled) as soon as the caller's
+        `trainable` says its policy version is too old to train (checked every `_TRAINABLE_CHECK_S`)."""
+        gathered = asyncio.gather(*tasks)
+        gathered.add_done_callback(_retrieved)  # if this collector is cancelled first, nobody else reads it
+        while True:
+            done, _ = await asyncio.wait({gathered}, timeout=_TRAINABLE_CHECK_S)
+            if done:
+                return gathered.result()
+            if self.trainable is not None and not self.trainable(group.model_version):
+                await _cancelled(tasks)
+                raise _Untrainable
+
     async def _adapter_retired(self, error: RequestRejectedError, group: RolloutGroup) -> bool:
         """A 404 for the group's `{version}` adapter once a newer version is published: the trainer unloaded
         it (it left the LoRA window, so its samples would be dropped as stale anyway). The trainer publishes
@@ -173,6 +205,16 @@ class GroupDispatch:
                 return False
             await asyncio.sleep(0.05)
         return True
+
+
+def _retrieved(gathered: asyncio.Future) -> None:
+    """Mark a gather's outcome as read (its errors reach the run through the rollout tasks themselves)."""
+    if not gathered.cancelled():
+        gathered.exception()
+
+
+class _Untrainable(Exception):
+    """A group's policy version fell out of what the caller can train: its rollouts were cancelled."""
 
 
 async def _cancelled(tasks: list[asyncio.Task]) -> None:

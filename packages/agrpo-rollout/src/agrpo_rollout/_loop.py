@@ -274,6 +274,8 @@ class AsyncRolloutLoop:
         max_groups: int | None = None,
         on_draw: Callable[[int, int], None] | None = None,
         on_server: Callable[[ServerEvent], None] | None = None,
+        may_dispatch: Callable[[], bool] | None = None,
+        trainable: Callable[[int], bool] | None = None,
     ) -> None:
         """Produce samples until the dataset's epochs or `max_groups` run out (cancel the task to stop).
 
@@ -286,6 +288,9 @@ class AsyncRolloutLoop:
         `on_server(ServerEvent)` is for a caller that syncs the servers' weights (the trainer): with it, a
         server takes groups only while its weight label shows the published policy version or newer, and
         one that falls behind (a restart, a missed push) is reported as `resync` for the caller to re-sync.
+        While `may_dispatch()` says no, no new group starts (a trainer holds the producer at `max_staleness`);
+        a group in flight that `trainable(policy_version)` rejects (asked every 0.25 s) is cancelled (its
+        requests closed: vLLM aborts them), reported `stale` and counted (`rollout/groups_cancelled_total`).
         """
         await self._prepare(policy_version, on_server)
         queue: asyncio.Queue = asyncio.Queue(self.config.score_queue_maxsize)
@@ -294,6 +299,7 @@ class AsyncRolloutLoop:
             config=self.config, draws=iter(self._source().draws(self.filter_prompt)), pool=self.pool,
             tasks=self._tasks, metrics=self.metrics, run_rollout=self._run_rollout, queue=queue,
             policy_version=policy_version, on_group=on_group, on_draw=on_draw, max_groups=max_groups,
+            may_dispatch=may_dispatch, trainable=trainable,
         )  # fmt: skip
         spawn = self._tasks.spawn
         try:

@@ -1,8 +1,9 @@
 """`PooledServer`: one vLLM server of a loop's `ServerPool`: its client, its live cap, its health and identity.
 
 Owns the server's state machine (states: `_server_event.py`), the identity checks that make a restart
-visible, and the gate every request of a rollout passes. Does not know which server a group goes to
-(`ServerPool`) nor what a rollout does.
+visible, and the gate every request of a rollout passes; its watch also asks, while its requests stall,
+whether generation is held by `/pause` (`ServerPause`, which warns). Does not know which server a group
+goes to (`ServerPool`) nor what a rollout does.
 
     serving  ── a request or a /metrics poll fails at transport level ──>  checking
     checking ── the same process answers ──>  serving (resync if its weights are behind)
@@ -55,6 +56,7 @@ from ._exceptions import ServerLostError, ServerUnavailableError
 from ._server import json_body
 from ._server_event import CHECKING, DOWN, LOST, RESYNC, SERVING, ServerEvent
 from ._server_load import ServerLoad
+from ._server_pause import ServerPause
 
 logger = logging.getLogger("agrpo_rollout")
 
@@ -115,6 +117,8 @@ class PooledServer:
         """The policy version of the weight label last read (None: unknown, or not a version)."""
         self._reported: tuple[int, int] | None = None
         self._wake = asyncio.Event()
+        self.pause = ServerPause(client)
+        """Whether generation is held by `/pause` (asked only while its requests stall; `_server_pause.py`)."""
         client.gate = self
 
     @property
@@ -200,12 +204,15 @@ class PooledServer:
 
     async def watch(self) -> None:
         """Until cancelled: read `/metrics` every `metrics_poll_interval_s` (the live cap, the process's
-        start time); while checking or down, probe with backoff instead; a suspicion wakes it at once."""
+        start time) and, while requests stall, whether it is paused; while checking or down, probe with
+        backoff instead; a suspicion wakes it at once."""
         delay = self.config.vllm_retry_backoff_s
         while True:  # the first read at once: the first metrics push carries the server's gauges
             answered = await self._check()
             delay = self.config.vllm_retry_backoff_s if answered else min(2 * delay, _MAX_BACKOFF_S)
             healthy = self.state in (SERVING, RESYNC)
+            if answered and healthy:
+                await self.pause.check()
             # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancel that lands as the event is set,
             # and a watch that outlives its run's cancel hangs the run's shutdown
             with contextlib.suppress(TimeoutError):
@@ -275,6 +282,7 @@ class PooledServer:
         self.restarts_total += 1
         self.started_at = started
         self._verified_for = self.served_version = None
+        self.pause.forget()
         self.controller.forget_process()
         logger.warning(
             "vLLM server %s answers as a new process (restart %d): rollouts in flight on the old one are "
@@ -289,6 +297,7 @@ class PooledServer:
     async def _go_down(self, detail: str) -> None:
         self.incarnation += 1
         self._verified_for = None
+        self.pause.forget()
         await self._set(DOWN, detail)
         logger.warning(
             "vLLM server %s does not answer (%s): it gets no new group, and the %d rollouts in flight there are "

@@ -2,8 +2,9 @@
 
 Owns accumulation over a window and the reduction to a flat `{name: float}` dict (means, maxima,
 fractions; `*_total` counters are cumulative since the loop started). Also reduces the group-level
-numbers only the loop sees: `reward` (every scored group, dropped ones included), `reward_kept` and
-`frac_reward_zero_std`. Does not know where the dict goes: the loop hands it to a caller's sink.
+numbers only the loop sees, over the window: `rollout/window_reward` (every scored group, dropped ones
+included: the reference's `reward`), `rollout/window_reward_kept` and `rollout/window_frac_reward_zero_std`
+(the trainer logs the `reward` of each optimizer step's trained rollouts beside them). Does not know where the dict goes: the loop hands it to a caller's sink.
 Meanings follow the reference's metric tables (docs of the trainer).
 """
 
@@ -33,6 +34,7 @@ class RolloutMetrics:
         self.parse_failure_total = 0
         self.prompt_too_long_total = 0
         self.groups_stale = 0
+        self.groups_cancelled = 0
         """Groups abandoned because the server unloaded their policy version's adapter (running total)."""
         self.rewards_nonfinite_total = 0
         """Reward values excluded for being +-inf or beyond float32's range (running total)."""
@@ -106,6 +108,7 @@ class RolloutMetrics:
             "rollout/duration_s": _mean(self.durations),
             "rollout/prompt_too_long_total": float(self.prompt_too_long_total),
             "rollout/groups_stale_total": float(self.groups_stale),
+            "rollout/groups_cancelled_total": float(self.groups_cancelled),
             "rollout/rewards_nonfinite_total": float(self.rewards_nonfinite_total),
             "rollout/turns_mean": _mean(self.turns),
             "rollout/turns_max": float(max(self.turns, default=0)),
@@ -126,9 +129,9 @@ class RolloutMetrics:
             groups = len(self.group_rewards)
             out.update(
                 {
-                    "reward": _mean(self.group_rewards),
-                    "reward_kept": _mean(self.kept_group_rewards),
-                    "frac_reward_zero_std": self.groups_zero_std / groups,
+                    "rollout/window_reward": _mean(self.group_rewards),
+                    "rollout/window_reward_kept": _mean(self.kept_group_rewards),
+                    "rollout/window_frac_reward_zero_std": self.groups_zero_std / groups,
                 }
             )
         return out

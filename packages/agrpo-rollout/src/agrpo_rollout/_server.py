@@ -71,6 +71,28 @@ class ServerInfo:
             return bound
         return max(1, min(bound, self.kv_cache_tokens // self.max_model_len))
 
+    def _check_candidate_sets(self, config: RolloutConfig) -> None:
+        """Without sampling masks, top-k/top-p/min-p sets are read from processed top log-probs
+        (`_candidate_set.py`); refuse a server that cannot return them, naming the flags."""
+        needed = max(config.num_sampler_logprobs, config.top_k + 1)
+        fixes = (
+            f"--logprobs-mode processed_logprobs --max-logprobs {max(needed, 20)}, or with --enable-scale-out "
+            "--return-sampling-mask (vLLM >= 0.28, V2 model runner), or sample without top_k/top_p/min_p"
+        )
+        what = f"top_k={config.top_k}, top_p={config.top_p}, min_p={config.min_p} truncate the vocabulary"
+        if self.logprobs_mode not in (None, "processed_logprobs"):
+            raise ServerConfigError(
+                f"{what}, but {self.base_url} returns no sampling masks and runs --logprobs-mode "
+                f"{self.logprobs_mode}, so no token's candidate set can be known and every importance ratio "
+                f"would be biased (the run would train on nothing). Restart it with {fixes}"
+            )
+        if self.max_logprobs is not None and 0 <= self.max_logprobs < needed:
+            raise ServerConfigError(
+                f"{what}; without sampling masks each token's candidate set is read from its top "
+                f"{needed} log-probs (top_k + 1), but {self.base_url} runs with --max-logprobs {self.max_logprobs}. "
+                f"Restart it with {fixes}"
+            )
+
     def check(self, config: RolloutConfig) -> list[str]:
         """Raise `ServerConfigError` for what cannot work; return warnings for what works degraded."""
         templated = (
@@ -89,28 +111,13 @@ class ServerInfo:
                 f"--max-logprobs {max(needed, 20)} or lower num_sampler_logprobs"
             )
         warnings = []
-        reshapes = (
-            config.temperature != 1.0 or config.repetition_penalty != 1.0 or config.truncates_vocabulary
-        )
-        if reshapes and self.logprobs_mode not in (None, "processed_logprobs"):
-            warnings.append(
-                f"the server runs with --logprobs-mode {self.logprobs_mode}: sampler log-probs ignore temperature, "
-                "penalties and top-k/top-p, so importance ratios are biased; restart it with --logprobs-mode processed_logprobs"
-            )
+        reshapes = config.temperature != 1.0 or config.repetition_penalty != 1.0
         if config.truncates_vocabulary and not self.uses_generate_endpoint:
-            missing = [
-                flag
-                for flag, on in (
-                    ("--enable-scale-out", self.scale_out),
-                    ("--return-sampling-mask", self.return_sampling_mask),
-                )
-                if not on
-            ]
+            self._check_candidate_sets(config)
+        elif reshapes and self.logprobs_mode not in (None, "processed_logprobs"):
             warnings.append(
-                f"top_k={config.top_k}, top_p={config.top_p} truncate the vocabulary but the server cannot return "
-                f"sampling masks (missing {' '.join(missing)}); log-probs will be normalised over the whole "
-                "vocabulary and importance ratios are biased. Restart vLLM (>= 0.28, V2 model runner) with "
-                "--enable-scale-out --return-sampling-mask to fix it"
+                f"the server runs with --logprobs-mode {self.logprobs_mode}: sampler log-probs ignore temperature "
+                "and penalties, so importance ratios are biased; restart it with --logprobs-mode processed_logprobs"
             )
         if config.max_completion_length >= self.max_model_len:
             warnings.append(

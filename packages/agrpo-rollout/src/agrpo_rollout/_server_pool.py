@@ -114,7 +114,8 @@ class ServerPool:
         async with self._changed:
             while (server := pick()) is None:
                 self._check_served(timeout)
-                with contextlib.suppress(TimeoutError):  # asyncio.timeout keeps a cancel (see PooledServer.watch)
+                # asyncio.timeout keeps a cancel (see PooledServer.watch)
+                with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(min(1.0, timeout)):
                         await self._changed.wait()
             return server
@@ -136,7 +137,8 @@ class ServerPool:
 
     def metrics(self) -> dict[str, float]:
         """`rollout/concurrency*` and the server gauges (summed, KV usage the maximum), and with several
-        servers the same per server under `rollout/server/<i>/`, with `serving` (1 or 0)."""
+        servers the same per server under `rollout/server/<i>/`, with `serving` (1 or 0) and `paused_s`;
+        `rollout/server_paused_s` is the longest pause under way that a warning named (0: none)."""
         if len(self.servers) == 1:
             out = self.servers[0].controller.metrics()
         else:
@@ -145,6 +147,8 @@ class ServerPool:
                 for key, value in server.controller.metrics().items():
                     out[key.replace("rollout/", f"rollout/server/{server.index}/", 1)] = value
                 out[f"rollout/server/{server.index}/serving"] = float(server.state == SERVING)
+                out[f"rollout/server/{server.index}/paused_s"] = server.pause.held_s
+        out["rollout/server_paused_s"] = max(s.pause.held_s for s in self.servers)
         out["rollout/servers_serving"] = float(sum(s.state == SERVING for s in self.servers))
         out["rollout/server_restarts_total"] = float(sum(s.restarts_total for s in self.servers))
         return out

@@ -106,7 +106,12 @@ class Toolbox:
         return await result if inspect.isawaitable(result) else result
 
     async def _result(
-        self, name: str, tool: Callable, arguments: dict[str, Any], executor: Executor | None, timeout_s: float | None
+        self,
+        name: str,
+        tool: Callable,
+        arguments: dict[str, Any],
+        executor: Executor | None,
+        timeout_s: float | None,
     ) -> tuple[str, bool]:
         """(tool message content, failed) of one call."""
         try:
@@ -120,7 +125,10 @@ class Toolbox:
             return f"Error: {type(exc).__name__}: {exc}", True
 
     async def run(
-        self, calls: Sequence[dict[str, Any]], executor: Executor | None = None, timeout_s: float | None = None
+        self,
+        calls: Sequence[dict[str, Any]],
+        executor: Executor | None = None,
+        timeout_s: float | None = None,
     ) -> list[ToolOutcome]:
         """Run one assistant turn's calls in the order given and return one outcome per call; a call still
         running after `timeout_s` seconds (None: no limit) becomes an error message."""

@@ -24,6 +24,7 @@ from ._nccl_transport import NcclTransport
 from ._param_stream import ParamStream
 from ._registry import BACKENDS
 from ._server_control import ServerControl, ServerInfo
+from ._sync_journal import JOURNAL_NAME, settle_interrupted_sync
 from ._sync_timings import SyncTimings
 from ._transport import ChunkTransport
 from ._weight_sync import WeightSync
@@ -39,6 +40,7 @@ __all__ = [
     "ChunkPlan",
     "ChunkTransport",
     "DiskBackend",
+    "JOURNAL_NAME",
     "LoraAdapterBackend",
     "ManifestMismatchError",
     "NcclBackend",
@@ -61,6 +63,7 @@ __all__ = [
     "adapter_name",
     "pack_chunk",
     "plan_chunks",
+    "settle_interrupted_sync",
     "unpack_chunk",
     "update_info",
 ]

@@ -72,6 +72,12 @@ class DiskBackend:
         """The first server's control."""
         return self.controls[0]
 
+    @property
+    def staged_dir(self) -> str | None:
+        """The complete directory of the version being sent (the sync journal's way back to one version)."""
+        pending = self._pending or (self._staged and self._staged[1])
+        return str(pending) if pending else None
+
     @classmethod
     def from_config(cls, config: WeightSyncConfig, controls: list[ServerControl], transport):
         return cls(controls=controls, weights_dir=config.weights_dir)

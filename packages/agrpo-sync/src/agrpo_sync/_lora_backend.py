@@ -57,6 +57,9 @@ from ._server_control import ServerControl, ServerInfo
 from ._server_roster import each_server
 
 logger = logging.getLogger("agrpo_sync")
+_NOT_FOUND = re.compile(r"(not|cannot be) found", re.IGNORECASE)
+"""How a server that answers 400 to unloading an adapter it does not hold says so."""
+
 
 def adapter_name(lora_name: str, version: int) -> str:
     """The server-side name of adapter version `version`; requests select it with `model=<name>`."""
@@ -207,7 +210,9 @@ class LoraAdapterBackend:
 
     def _load(self, index: int, version: int, directory: Path) -> None:
         inplace = version in self.registered[index]
-        self.controls[index].load_lora_adapter(adapter_name(self.lora_name, version), str(directory), inplace=inplace)
+        self.controls[index].load_lora_adapter(
+            adapter_name(self.lora_name, version), str(directory), inplace=inplace
+        )
         self.registered[index].add(version)
         self._touched.append((index, version, inplace))
 
@@ -236,7 +241,7 @@ class LoraAdapterBackend:
             if version not in self.registered[index]:
                 self._load(index, version, self.dirs[version])
         for version in sorted(self.registered[index] - set(self.live)):
-            self.controls[index].unload_lora_adapter(adapter_name(self.lora_name, version))
+            self._unload(index, adapter_name(self.lora_name, version))
             self.registered[index].discard(version)
 
     def _shrink_window(self, version: int) -> None:
@@ -260,7 +265,7 @@ class LoraAdapterBackend:
         name = adapter_name(self.lora_name, version)
         holders = [i for i, versions in enumerate(self.registered) if version in versions]
         try:
-            each_server(lambda i: self.controls[i].unload_lora_adapter(name), holders)
+            each_server(lambda i: self._unload(i, name), holders)
         except ServerRequestError as error:
             logger.warning("could not unload %s (retried at the next sync): %s", name, error)
             return False
@@ -268,6 +273,24 @@ class LoraAdapterBackend:
             versions.discard(version)
         self._remove(self.dirs.pop(version, self.path(version)))
         return True
+
+    def _unload(self, index: int, name: str) -> None:
+        """Unload adapter `name` from server `index`; one the server does not hold counts as unloaded: a
+        restarted trainer that took the window over may have unloaded it already (vLLM 0.32 answers 404
+        "The lora adapter '<name>' cannot be found."; a 400 saying so counts too)."""
+        try:
+            self.controls[index].unload_lora_adapter(name)
+        except ServerUnreachableError:
+            raise
+        except ServerRequestError as error:
+            gone = error.status == 404 or (
+                error.status == 400 and _NOT_FOUND.search(error.detail) is not None
+            )
+            if not gone:
+                raise
+            logger.info(
+                "%s was no longer registered on %s: already unloaded", name, self.controls[index].base_url
+            )
 
     def _remove(self, directory: Path) -> None:
         """Delete an adapter directory, only ever one inside `lora_dir`."""
@@ -289,10 +312,12 @@ class LoraAdapterBackend:
                     if inplace:
                         self.controls[index].load_lora_adapter(name, str(self.dirs[version]), inplace=True)
                     else:
-                        self.controls[index].unload_lora_adapter(name)
+                        self._unload(index, name)
                         self.registered[index].discard(version)
                 except ServerRequestError as error:
-                    logger.warning("could not take %s back on %s: %s", name, self.controls[index].base_url, error)
+                    logger.warning(
+                        "could not take %s back on %s: %s", name, self.controls[index].base_url, error
+                    )
             self._remove(pending)
         if not self.live:
             return Recovery(state="no adapter version is registered; the server serves the base model")
@@ -311,7 +336,9 @@ class LoraAdapterBackend:
         return None
 
     def close(self) -> None:
-        """Unload every version this backend registered, on every server, and delete its directory."""
+        """Unload every version this backend registered, on every server, and delete its directory.
+        Idempotent: a second call finds nothing left, and versions another backend (a restarted trainer
+        that took the window over) already unloaded or deleted count as done."""
         while self.live and self._retire(self.live[0]):
             self.live.pop(0)
         if self.live:

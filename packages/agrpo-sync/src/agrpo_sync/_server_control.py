@@ -75,6 +75,12 @@ def parse_server_info(info: dict, version: str, model_root: str) -> ServerInfo:
     )
 
 
+KEEPALIVE_EXPIRY_S = 2.0
+"""How long an idle pooled connection is reused. vLLM's server (uvicorn) closes an idle connection after
+`VLLM_HTTP_TIMEOUT_KEEP_ALIVE` = 5 s; httpx's default of 5 s too makes a request reusing a connection the
+server is closing at that instant fail with a reset. Well under the server's limit, that never happens."""
+
+
 class ServerControl:
     """HTTP calls to one vLLM server; every failure raises `ServerRequestError`."""
 
@@ -82,8 +88,12 @@ class ServerControl:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.transfer_timeout_s = transfer_timeout_s
-        self._client = httpx.Client(base_url=self.base_url, timeout=timeout_s)
-        self._blocking = httpx.Client(base_url=self.base_url, timeout=transfer_timeout_s)
+        self._client = self._new_client(timeout_s)
+        self._blocking = self._new_client(transfer_timeout_s)
+
+    def _new_client(self, timeout_s: float) -> httpx.Client:
+        limits = httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S)
+        return httpx.Client(base_url=self.base_url, timeout=timeout_s, limits=limits)
 
     def close(self) -> None:
         self._client.close()
@@ -93,8 +103,8 @@ class ServerControl:
         """Drop every pooled connection: the next calls open fresh ones (vLLM closes the connection of a
         `collective_rpc` it answered 500, and a call reusing it fails with a connection reset)."""
         old = (self._client, self._blocking)
-        self._client = httpx.Client(base_url=self.base_url, timeout=self.timeout_s)
-        self._blocking = httpx.Client(base_url=self.base_url, timeout=self.transfer_timeout_s)
+        self._client = self._new_client(self.timeout_s)
+        self._blocking = self._new_client(self.transfer_timeout_s)
         for client in old:
             client.close()
 
@@ -105,7 +115,9 @@ class ServerControl:
         except httpx.HTTPError as error:
             self.renew_connections()  # the process may be gone, and every pooled connection with it
             detail = f"{type(error).__name__}: {error}"
-            timed_out = isinstance(error, httpx.TimeoutException) and not isinstance(error, httpx.ConnectTimeout)
+            timed_out = isinstance(error, httpx.TimeoutException) and not isinstance(
+                error, httpx.ConnectTimeout
+            )
             if not timed_out and not self.answers():
                 raise ServerUnreachableError(f"{method} {self.base_url}{path}", None, detail) from error
             raise ServerRequestError(f"{method} {path}", None, detail) from error

@@ -14,6 +14,7 @@ weights). Does not know how anything is sent.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
@@ -25,6 +26,7 @@ from ._manifest import Manifest
 from ._param_stream import ParamStream
 from ._registry import BACKENDS
 from ._server_control import ServerControl, ServerInfo
+from ._sync_journal import JOURNAL_NAME, settle_interrupted_sync
 
 logger = logging.getLogger("agrpo_sync")
 
@@ -88,9 +90,13 @@ def check_full_sync(
         )
 
 
-def start_sender(sync_cls: type, config: WeightSyncConfig, model: torch.nn.Module, transport, world_size: int):
+def start_sender(
+    sync_cls: type, config: WeightSyncConfig, model: torch.nn.Module, transport, world_size: int
+):
     """The sending rank's `WeightSync`: every server checked, the backend chosen and set up (e.g. the NCCL
-    rendezvous with each server), the manifest of what the servers hold."""
+    rendezvous with each server), the manifest of what the servers hold. First, servers that a killed trainer's
+    sync left paused in this output directory are resumed where their weights are one version."""
+    settle_interrupted_sync(Path(config.output_dir).resolve() / JOURNAL_NAME)
     controls = [
         ServerControl(url, timeout_s=config.http_timeout_s, transfer_timeout_s=config.transfer_timeout_s)
         for url in config.server_urls

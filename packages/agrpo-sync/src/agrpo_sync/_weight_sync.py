@@ -1,30 +1,29 @@
 """`WeightSync`: what the trainer calls every `weight_sync_steps` to push its policy to the vLLM servers.
 
-Owns one sync from the trainer's side: check what will be sent against the server's manifest
-(`_manifest.py`; refused before pausing), stage what can be written before the pause (the disk
-checkpoint), pick the servers it goes to (`ServerRoster`: a restarted one is rejoined, one that does not
-answer is left out), pause generation (mode `keep` by default), line the trainer ranks up, send through
-the chosen backend (only rank 0 talks to the servers; every rank joins the bucketed FSDP2 gather), resume,
-and time the parts as `perf/weight_sync_s`, `_stage_s`, `_pause_s`, `_barrier_s`, `_transfer_s`,
-`_generation_paused_s` (`SyncTimings`). One sync at a time: a call from a second thread while one runs is
-refused. Also owns the start-up sequence (backend choice and checks are in `_start_checks.py`). Does not
-know the wire format, HTTP details or how each backend moves bytes.
+Owns one sync from the trainer's side: check what will be sent against the server's manifest (`_manifest.py`;
+refused before pausing), stage what can be written before the pause (the disk checkpoint), pick the servers it
+goes to (`ServerRoster`: a restarted one is rejoined, one that does not answer is left out), pause generation
+(mode `keep` by default), line the trainer ranks up, send through the chosen backend (only rank 0 talks to the
+servers; every rank joins the bucketed FSDP2 gather), resume, and time the parts as `perf/weight_sync_s`,
+`_stage_s`, `_pause_s`, `_barrier_s`, `_transfer_s`, `_generation_paused_s` (`SyncTimings`). One sync at a
+time: a call from a second thread while one runs is refused. Also owns the start-up sequence (backend choice
+and checks: `_start_checks.py`). Does not know the wire format, HTTP details or how backends move bytes.
 
-Several servers: a backend that `fans_out` (disk: the checkpoint is written once and every server reloads
-it, in parallel; LoRA: the adapter is written once and loaded on each) makes one pass over the weights;
-NCCL makes one pass per server (one gather and one broadcast each; every server has its own NCCL group, so
-a server that dies cannot stall the others' transfer). A server that stops accepting connections during a
-sync is left out of it and the sync goes on; the version counts as served by the servers that got it
-(`members`), and the others are rejoined when they answer again.
+Several servers: a backend that `fans_out` (disk: the checkpoint is written once and every server reloads it,
+in parallel; LoRA: the adapter is written once and loaded on each) makes one pass over the weights; NCCL makes
+one pass per server (one gather and one broadcast each; every server has its own NCCL group, so a server that
+dies cannot stall the others' transfer). A server that stops accepting connections during a sync is left out
+of it and the sync goes on; the version counts as served by the servers that got it (`members`), and the
+others are rejoined when they answer again.
 
-Failures are loud and safe, and generation resumes only on weights known to be one version. When a
-send fails, the backend restores the last good version where it can (`Recovery`). If it could not but
-the server still answers (NCCL chunks went out, then the server failed), every weight is sent once more
-within the same sync (every rank joins the new gathers) and, on success, the sync returns normally with
-`perf/weight_sync_retries` = 1 after a warning naming the first failure. Otherwise every rank raises
-`TransferFailedError` saying what happened and what the server serves; if its weights may mix two
-versions, generation stays paused and the error says how to resume (sync again, or restart the server).
-Rank 0 shares each outcome, so no rank waits forever on the others.
+Failures are loud and safe, and generation resumes only on weights known to be one version. When a send fails,
+the backend restores the last good version where it can (`Recovery`). If it could not but the server still
+answers (NCCL chunks went out, then the server failed), every weight is sent once more within the same sync
+(every rank joins the new gathers) and, on success, the sync returns normally with `perf/weight_sync_retries`
+= 1 after a warning naming the first failure. Otherwise every rank raises `TransferFailedError` saying what
+happened and what the server serves; if its weights may mix two versions, generation stays paused and the
+error says how to resume (sync again, or restart the server). Rank 0 shares each outcome, so no rank waits
+forever on the others; each phase is journaled before it starts, for a kill (`_sync_journal.py`).
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,6 +49,7 @@ from ._registry import BACKENDS
 from ._server_control import ServerControl
 from ._server_roster import ServerRoster
 from ._start_checks import start_sender
+from ._sync_journal import JOURNAL_NAME, SyncJournal
 from ._sync_timings import SyncTimings
 from ._transport import ChunkTransport
 
@@ -100,6 +101,7 @@ class WeightSync:
         """What the server holds, to check each sync against (rank 0): its `/weight_info`, else the first sync."""
         self._lock = threading.Lock()
         self._running: int | None = None
+        self.journal = SyncJournal(Path(config.output_dir).resolve() / JOURNAL_NAME)  # for a killed trainer
 
     @property
     def is_sender(self) -> bool:
@@ -197,6 +199,7 @@ class WeightSync:
         staged_at = time.perf_counter()
         if self.is_sender:
             self.roster.roll(self.backend.rejoin)
+        self._note("pausing", version)
         paused, failure = self._pause()
         paused_at = lined_up_at = time.perf_counter()
         resume = bool(paused)  # until something is sent, the servers hold the last good version
@@ -204,9 +207,11 @@ class WeightSync:
             if self.world_size > 1:
                 dist.barrier()
             lined_up_at = time.perf_counter()
+            self._note("sending", version)
             resume = False  # from here on, only weights known to be one version are served
             failure, retries = self._transfer(model, stream, version, failure)
             resume = bool(paused) and (failure is None or failure.recovery.consistent)
+            self._note("sent" if failure is None else "sending", version)
             sent_at = time.perf_counter()
         except BaseException as error:
             if paused and not resume:
@@ -218,6 +223,8 @@ class WeightSync:
         finally:
             if resume:
                 self.roster.resume(paused)
+            if resume or not paused:
+                self.journal.clear()
         if failure is not None:
             raise self._error(failure, version)
         if self.is_sender:
@@ -236,6 +243,14 @@ class WeightSync:
             peak_gather_bytes=self._peak_gather_bytes,
             retries=retries,
         )
+
+    def _note(self, phase: str, version: int) -> None:
+        """Record the phase before acting on it (sender, pausing backends): what a kill from here on leaves."""
+        if self.is_sender and BACKENDS[self.backend_name].pauses:
+            servers = [self.controls[i].base_url for i in self.roster.targets]
+            self.journal.note(
+                phase, version, self.backend_name, servers, getattr(self.backend, "staged_dir", None)
+            )
 
     def _preflight(self, stream: ParamStream, version: int) -> None:
         """Refuse, on every rank and before anything is paused or sent, tensors that differ from the manifest."""
@@ -291,7 +306,12 @@ class WeightSync:
         return failure, retries
 
     def _pass(
-        self, model: torch.nn.Module, stream: ParamStream, version: int, failure: _Failure | None, group: list[int]
+        self,
+        model: torch.nn.Module,
+        stream: ParamStream,
+        version: int,
+        failure: _Failure | None,
+        group: list[int],
     ) -> tuple[_Failure | None, int]:
         """One pass, and once more if the first attempt left its servers mixed but answering."""
         failure = self._share(self._attempt(stream, version, failure, group), self.world_size)
@@ -335,11 +355,8 @@ class WeightSync:
             if recovery.resume_as_is:
                 urls = " and ".join(f"{url}/resume" for url in self.config.server_urls)
                 state += f" (POST {urls} resumes it as it is, mixed weights included)"
-        return TransferFailedError(
-            f"weight sync to version {version} failed: {failure.message}",
-            server_state=state,
-            left_paused=held,
-        )
+        message = f"weight sync to version {version} failed: {failure.message}"
+        return TransferFailedError(message, server_state=state, left_paused=held)
 
     def _pause(self) -> tuple[list[int], _Failure | None]:
         """Pause generation on every target if this rank sends and the backend needs it: (paused, failure)."""

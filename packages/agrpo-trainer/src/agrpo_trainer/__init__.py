@@ -8,7 +8,7 @@ from importlib.metadata import PackageNotFoundError as _PackageNotFoundError
 from importlib.metadata import version as _version
 
 from ._config import AsyncGRPOConfig
-from ._exceptions import AsyncGRPOError, ModelSetupError, RolloutWorkerError
+from ._exceptions import AsyncGRPOError, ModelSetupError, NothingTrainedError, RolloutWorkerError
 from ._trainer import AsyncGRPOTrainer
 
 try:
@@ -21,5 +21,6 @@ __all__ = [
     "AsyncGRPOError",
     "AsyncGRPOTrainer",
     "ModelSetupError",
+    "NothingTrainedError",
     "RolloutWorkerError",
 ]

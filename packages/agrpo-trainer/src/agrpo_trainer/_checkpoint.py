@@ -45,7 +45,9 @@ def last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
     """The newest `checkpoint-N` of `output_dir` the Trainer finished writing; incomplete ones are skipped
     with a warning. None when there is none."""
     folder = Path(output_dir)
-    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _CHECKPOINT.fullmatch(p.name)) and p.is_dir()]
+    found = [
+        (int(m.group(1)), p) for p in folder.iterdir() if (m := _CHECKPOINT.fullmatch(p.name)) and p.is_dir()
+    ]
     for _, path in sorted(found, reverse=True):
         if is_complete(path):
             return str(path)

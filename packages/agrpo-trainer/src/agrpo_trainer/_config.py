@@ -8,9 +8,10 @@ are passed in) nor how many processes run (`num_processes` is passed in).
 
 Beyond the reference, agrpo adds a few fields, grouped last and marked "agrpo:": the weight-sync
 backend (`disk` for CPU servers and shared filesystems), the tree-attention backend, the post-sync
-parity probe (SPEC F-BEYOND), a tool-call timeout, and the device peak that MFU divides by where the
-device table lacks it. `vllm_server_base_url` (the reference's) also takes a list of servers (SPEC
-F-BEYOND); on the command line, `--vllm_server_base_url URL [URL ...]`.
+parity probe (SPEC F-BEYOND), a tool-call timeout, the device peak that MFU divides by where the
+device table lacks it, and the activation checkpointing mode. `torch_compile` (TrainingArguments')
+defaults to per-decoder-layer compilation on CUDA. `vllm_server_base_url` (the reference's) also takes a
+list of servers (SPEC F-BEYOND); on the command line, `--vllm_server_base_url URL [URL ...]`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from agrpo_packing import PackingConfig
 from agrpo_rollout import RolloutConfig
 from agrpo_sync import WeightSyncConfig
 
+from ._layer_region import check_checkpointing_mode, checkpointing_on, default_torch_compile
 from ._loss import LossSettings
 
 # Decaying schedules need a known horizon; forks make the number of steps per epoch unknown (reference).
@@ -51,7 +53,17 @@ class AsyncGRPOConfig(TrainingArguments):
     logging_steps: float = field(default=1, metadata=_help("Log every X optimizer steps (reference: 1)."))
     gradient_checkpointing: bool | None = field(
         default=None,
-        metadata=_help("Recompute activations in backward; None means True (reference default)."),
+        metadata=_help(
+            "Recompute activations in backward as needed to fit (checkpointing_mode); None: True."
+        ),
+    )
+    torch_compile: bool | None = field(
+        default=None,
+        metadata=_help(
+            "Compile each decoder layer (torch_compile_backend/_mode; the rest stays eager). None: True on CUDA "
+            "without FSDP (the step's main speed-up, docs/benchmarks.md), else False. False: run eagerly "
+            "(debugging, untraceable models); compiling costs tens of seconds in the first steps."
+        ),
     )
     bf16: bool | None = field(
         default=None,
@@ -203,7 +215,17 @@ class AsyncGRPOConfig(TrainingArguments):
     )
     tool_timeout_s: float | None = field(
         default=300.0,
-        metadata=_help("Seconds one tool call may take before it becomes an error message to the model; None: no limit."),
+        metadata=_help(
+            "Seconds one tool call may take before it becomes an error message to the model; None: no limit."
+        ),
+    )
+    checkpointing_mode: str = field(
+        default="auto",
+        metadata=_help(
+            "With gradient checkpointing: auto (full on step 1, then the least recompute its measured memory "
+            "predicts to fit: none, selective or full), full, or selective (recompute the norms and the MLP, "
+            "keep attention)."
+        ),
     )
     device_peak_flops: float | None = field(
         default=None,
@@ -216,6 +238,11 @@ class AsyncGRPOConfig(TrainingArguments):
     def __post_init__(self) -> None:
         if self.bf16 is None:
             self.bf16 = default_bf16(fp16=self.fp16)
+        if self.torch_compile is None:
+            named = bool(self.torch_compile_backend or self.torch_compile_mode)
+            self.torch_compile = default_torch_compile(
+                use_cpu=self.use_cpu, fsdp=bool(self.fsdp), named=named
+            )
         if self.gradient_checkpointing is None and getattr(self, "activation_checkpointing", None) is None:
             if any(f.name == "activation_checkpointing" for f in fields(self)):
                 self.activation_checkpointing = True
@@ -252,6 +279,7 @@ class AsyncGRPOConfig(TrainingArguments):
                 f"weight_sync_backend={self.weight_sync_backend!r}; expected one of {list(WEIGHT_SYNC_BACKENDS)}"
             )
         self.rollout_config(num_processes=1)  # the sampling checks of agrpo-rollout, named by the same fields
+        check_checkpointing_mode(self.checkpointing_mode, bool(checkpointing_on(self)))
 
     def _check_unsupported(self) -> None:
         if self.deepspeed:
@@ -395,4 +423,3 @@ def check_inputs(args: Any, train_dataset: Any, environment_factory: Any) -> Non
             "num_train_epochs needs the dataset's size, and this dataset has none (an IterableDataset, or prompts "
             "from environment_factory); set max_steps"
         )
-

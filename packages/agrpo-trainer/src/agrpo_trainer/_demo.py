@@ -42,7 +42,7 @@ def demo_config(output_dir: str, url: str, max_steps: int) -> AsyncGRPOConfig:
         weight_sync_backend="disk",  # the CPU server cannot take NCCL transfers
         bf16=False,  # float32 on both sides: the parity probe is then exact
         use_cpu=True,
-        gradient_checkpointing=False,  # a tiny model: recomputation only costs time
+        activation_checkpointing=False,  # a tiny model: recomputation only costs time
         learning_rate=5e-3,  # a random model, not a pretrained one
         num_generations=8,
         max_completion_length=24,
@@ -56,15 +56,17 @@ def demo_config(output_dir: str, url: str, max_steps: int) -> AsyncGRPOConfig:
     )
 
 
-def run_demo(url: str, model_dir: Path, output_dir: str, max_steps: int) -> AsyncGRPOTrainer:
-    args = demo_config(output_dir, url, max_steps)
+def run_demo(server: VLLMServer, model_dir: Path, output_dir: str, max_steps: int) -> AsyncGRPOTrainer:
+    """Build the trainer while the server loads (started with `wait=False`), then train once it answers."""
+    args = demo_config(output_dir, server.url, max_steps)
     trainer = AsyncGRPOTrainer(str(model_dir), CharacterFractionReward(), args=args, train_dataset=PROMPTS)
+    server.wait_healthy()
     trainer.train()
     return trainer
 
 
 def closing_line(trainer: AsyncGRPOTrainer, seconds: float) -> str:
-    rewards = [h["reward_trained"] for h in trainer.state.log_history if "reward_trained" in h]
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     gaps = [
         h["sync/logprob_max_abs_diff"] for h in trainer.state.log_history if "sync/logprob_max_abs_diff" in h
     ]
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     output_dir = args.output_dir or str(work / "run")
     model_dir = save_tiny_model(work / "model", TinyModelSpec(tie_word_embeddings=False))
     print(f"tiny Qwen3 in {model_dir}; starting the CPU vLLM server (about a minute)...", flush=True)
-    with VLLMServer(model_dir=model_dir, max_model_len=1024) as server:
+    with VLLMServer(model_dir=model_dir, max_model_len=1024).start(wait=False) as server:
         start = time.monotonic()
-        trainer = run_demo(server.url, model_dir, output_dir, args.max_steps)
+        trainer = run_demo(server, model_dir, output_dir, args.max_steps)
     print(closing_line(trainer, time.monotonic() - start), flush=True)

@@ -2,6 +2,7 @@
 
     AsyncGRPOError                      base of the trainer's own errors
      ├── RolloutWorkerError             the rollout process raised, died or stopped answering
+     ├── NothingTrainedError            optimizer steps in a row had loss terms but none passed the IS mask
      └── ModelSetupError (ValueError)   a model/config combination the trainer cannot train
 
 Configuration mistakes found at construction are plain `ValueError`s naming the field to change; objects
@@ -23,3 +24,8 @@ class RolloutWorkerError(AsyncGRPOError, RuntimeError):
 
 class ModelSetupError(AsyncGRPOError, ValueError):
     """The model cannot be trained as configured (e.g. router_aux_loss_coef on a model without a router)."""
+
+
+class NothingTrainedError(AsyncGRPOError, RuntimeError):
+    """Several optimizer steps in a row excluded every loss term (importance ratios outside the clip
+    bounds): the run would go on updating nothing, so it stops and says what usually causes it."""

@@ -90,6 +90,8 @@ class MicroBatchStream:
         self._ready: queue.Queue = queue.Queue(maxsize=max(prefetch, 1))
         self._stats = StreamStats()
         self._lock = threading.Lock()
+        self.samples_dropped = self.tokens_dropped = 0
+        """Samples (and their completion tokens) dropped since the start, stale or oversize: generated, untrained."""
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._origins: dict[int, tuple[PackSample, Any]] = {}
@@ -166,6 +168,8 @@ class MicroBatchStream:
             self.ledger.settle(sample.epoch, sample.row_index, trained=False)
             with self._lock:
                 self._stats.dropped_oversize += 1
+                self.samples_dropped += 1
+                self.tokens_dropped += sample.num_trained
         for batch in closed:
             self._emit(batch, start)
 
@@ -198,6 +202,8 @@ class MicroBatchStream:
         self.ledger.settle(sample.epoch, sample.row_index, trained=False)
         with self._lock:
             self._stats.dropped_stale += 1
+            self.samples_dropped += 1
+            self.tokens_dropped += sample.num_trained
 
     def without_stale(self, batch: PackedMicroBatch) -> PackedMicroBatch:
         """The batch, with rows re-packed without samples that went stale while it waited."""

@@ -22,6 +22,7 @@ import numpy as np
 
 from agrpo_packing import PackingConfig
 
+from ._dispatch_hold import DispatchHold
 from ._metrics import CounterDeltas, MetricWindow
 from ._micro_batch_stream import MicroBatchStream, PackedMicroBatch
 from ._prompt_ledger import PromptLedger
@@ -29,6 +30,8 @@ from ._prompt_ledger import PromptLedger
 logger = logging.getLogger("agrpo_trainer")
 
 _POLL_S = 0.5
+_STARVED_S = 1.0
+"""Seconds a waiting trainer gives the producer after a publish before it widens the `DispatchHold` window."""
 
 
 class _ResyncDue(Exception):
@@ -44,6 +47,13 @@ class ResumePoint:
     done: frozenset[tuple[int, int]] = frozenset()
     """(epoch, row_index), run-wide epochs, already trained or empty."""
     prompts_consumed: int = 0
+    resumed: bool = False
+    """A checkpoint's trained position was read (False: a fresh run, or a state without a position)."""
+
+    @property
+    def start(self) -> tuple[int, int] | None:
+        """The run-wide key of the first prompt the resumed loop may draw."""
+        return (self.base_epoch, self.start_index) if self.resumed else None
 
     @classmethod
     def from_state(cls, state: dict[str, Any] | None) -> ResumePoint:
@@ -55,6 +65,7 @@ class ResumePoint:
             base_epoch=int(epoch),
             done=frozenset((int(e), int(r)) for e, r in state.get("done", [])),
             prompts_consumed=int(state.get("prompts_consumed", 0)),
+            resumed=True,
         )
 
     def loop_skip(self) -> frozenset[tuple[int, int]]:
@@ -66,11 +77,25 @@ class AsyncPipeline:
     """Samples in, micro-batches out, on rank 0. `start`, `next_micro_batch`, `settle`, always `stop`."""
 
     def __init__(
-        self, source: Any, packing: PackingConfig, *, max_staleness: int, prefetch: int, resume: ResumePoint
+        self,
+        source: Any,
+        packing: PackingConfig,
+        *,
+        max_staleness: int,
+        prefetch: int,
+        resume: ResumePoint,
+        hold: DispatchHold | None = None,
     ) -> None:
         self.source = source
+        self.hold = hold if hasattr(source, "set_sample_allowance") else None
+        """Holds the producer at `max_staleness` (None: it runs ahead as far as the queues let it)."""
+        self._taken, self._published_at = 0, time.monotonic()
+        self._trained_tokens = 0
         self.ledger = PromptLedger(
-            base_epoch=resume.base_epoch, done=set(resume.done), num_consumed=resume.prompts_consumed
+            base_epoch=resume.base_epoch,
+            done=set(resume.done),
+            num_consumed=resume.prompts_consumed,
+            start=resume.start,
         )
         self.stream = MicroBatchStream(
             source, packing, self.ledger, max_staleness=max_staleness, prefetch=prefetch
@@ -92,6 +117,14 @@ class AsyncPipeline:
         """Publish a version the server serves: new groups carry it; older samples age against it."""
         self.source.set_policy_version(version)
         self.stream.policy_version = version
+        self._publish_allowance(step_running=False)
+
+    def _publish_allowance(self, *, step_running: bool) -> None:
+        """Tell the producer how far it may run ahead (`DispatchHold`), after a take or a push."""
+        if self.hold is not None:
+            self.hold.gone = self._taken + self.stream.samples_dropped
+            self.source.set_sample_allowance(self.hold.allowance(step_running=step_running))
+            self._published_at = time.monotonic()
 
     @property
     def resync_due(self) -> bool:
@@ -120,6 +153,10 @@ class AsyncPipeline:
         return batch
 
     def _wait_poll(self) -> None:
+        waited = time.monotonic() - self._published_at > _STARVED_S
+        if self.hold is not None and waited and self.source.producer_held():
+            self.hold.starved()  # the producer is held below what this step needs
+            self._publish_allowance(step_running=False)
         self.poll()
         if self.resync_due:
             raise _ResyncDue
@@ -170,10 +207,15 @@ class AsyncPipeline:
                 self._held = batches
                 return None
             if len(batches) >= num_batches or self.ended:
+                self._taken += sum(len(b.samples) for b in batches)
+                self._publish_allowance(step_running=True)
                 return batches
 
     def settle(self, batches: list[PackedMicroBatch]) -> None:
         """The samples of a finished optimizer step are trained."""
+        if self.hold is not None:
+            self.hold.observe_step(sum(len(b.samples) for b in batches))
+        self._trained_tokens += sum(s.num_trained for b in batches for s in b.samples)
         for batch in batches:
             for sample in batch.samples:
                 self.ledger.settle(sample.epoch, sample.row_index, trained=True)
@@ -184,6 +226,7 @@ class AsyncPipeline:
         stats = self.stream.take_stats()
         out["sample/dropped_stale_total"] = float(stats.dropped_stale)
         out["batch/dropped_oversize_total"] = float(stats.dropped_oversize)
+        out["sample/wasted_token_frac"] = self.stream.tokens_dropped / max(self._trained_tokens, 1)
         if stats.time_in_queue_s:
             out["sample/time_in_queue_s"] = float(np.mean(stats.time_in_queue_s))
             out["sample/staleness_mean"] = float(np.mean(stats.staleness))

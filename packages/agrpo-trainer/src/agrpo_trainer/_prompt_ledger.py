@@ -13,10 +13,18 @@ counted from the start of the run (a resumed loop's epochs are shifted by the le
 - open: drawn (`record_draw`, when the loop dispatches its group), not settled yet. A group that never
   finishes (a stuck request, a stopped run) keeps its prompt open, so a resume regenerates it.
 
+A micro-batch closes when its rows are full, so a group's samples may be trained in two consecutive
+optimizer steps. The rule for such a group at a checkpoint: a prompt counts as trained once any of its
+samples was trained in a finished step. The resume position records it as done, so a resumed run never
+generates it again; the samples of it that the killed run had not trained yet are lost with that run
+(the group is trained once, partly), which is what a prompt trained twice would cost the other way round.
+
 `num_consumed` (done + lost) drives `num_train_epochs`; forks never double-count because a prompt is one
 key however many samples its group yields. `resume_state()` is the trained position: the first key not
-done, plus the done keys after it, so a resumed run neither trains a prompt twice nor skips one. Does not
-know samples' contents, steps or files; thread-safe (the packing thread settles stale drops).
+trained, plus the trained (done or partly trained) keys after it, and how many prompts a resumed run must
+not draw again, so it neither trains a prompt twice nor skips one (lost prompts are drawn again, so they
+are not counted there). Does not know samples' contents, steps or files; thread-safe (the packing thread
+settles stale drops).
 """
 
 from __future__ import annotations
@@ -38,20 +46,37 @@ class _Prompt:
     finished: bool = False
     """Its fate is settled (done or lost)."""
     done: bool = False
+    earlier: bool = False
+    """Done before the resume this ledger started from (already in its `prompts_consumed`)."""
+
+    @property
+    def kept_at_resume(self) -> bool:
+        """A resumed run must not draw it again: done, or some of its samples trained."""
+        return self.done or self.trained > 0
 
 
 class PromptLedger:
     """Which drawn prompts are consumed and trained; `base_epoch` shifts a resumed loop's epochs."""
 
-    def __init__(self, *, base_epoch: int = 0, done: set[Key] | None = None, num_consumed: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        base_epoch: int = 0,
+        done: set[Key] | None = None,
+        num_consumed: int = 0,
+        start: Key | None = None,
+    ) -> None:
         self.base_epoch = base_epoch
+        self.start = start
+        """The resume position this ledger started from (None: a fresh run)."""
         self.num_consumed = num_consumed
         """Prompts whose fate is settled (done or lost), over the whole run including before a resume."""
         self.num_trained_prompts = 0
         self._prompts: dict[Key, _Prompt] = {}
         self._lock = threading.Lock()
+        self._earlier_consumed = num_consumed
         for key in done or ():
-            self._prompts[key] = _Prompt(finished=True, done=True)
+            self._prompts[key] = _Prompt(finished=True, done=True, earlier=True)
 
     def key(self, epoch: int, row_index: int) -> Key:
         """The run-wide key of a prompt the (possibly resumed) loop reports at `epoch`, `row_index`."""
@@ -93,15 +118,19 @@ class PromptLedger:
         self.num_trained_prompts += prompt.trained > 0
 
     def resume_state(self) -> dict[str, Any]:
-        """The trained position: the first key not done (None before any draw) and the done keys from it on."""
+        """The trained position: the first key not trained (None before any draw), the trained keys from it
+        on, and the prompts a resumed run must not draw again (everything before the position and those)."""
         with self._lock:
-            open_keys = [k for k, p in self._prompts.items() if not p.done]
-            done = sorted(k for k, p in self._prompts.items() if p.done)
-            # Everything drawn is done: resume at the last one, which the resumed loop then skips.
-            first = min(open_keys) if open_keys else (done[-1] if done else None)
-            done_after = [k for k in done if first is not None and k >= first]
+            kept = sorted(k for k, p in self._prompts.items() if p.kept_at_resume)
+            open_keys = [k for k, p in self._prompts.items() if not p.kept_at_resume]
+            drawn = [k for k, p in self._prompts.items() if not p.earlier]
+            # Everything this run drew is trained: resume at the last one it drew, which the resumed loop then
+            # skips (not at a later key done before a resume: rows before it may not be drawn yet).
+            first = min(open_keys) if open_keys else (max(drawn) if drawn else self.start)
+            done_after = [k for k in kept if first is not None and k >= first]
+            new = sum(p.kept_at_resume and not p.earlier for p in self._prompts.values())
             return {
                 "resume_from": list(first) if first else None,
                 "done": [list(k) for k in done_after],
-                "prompts_consumed": self.num_consumed,
+                "prompts_consumed": self._earlier_consumed + new,
             }

@@ -34,9 +34,9 @@ class Panel:
 
 # fmt: off
 PANELS = (
-    Panel("reward", ("reward", "reward_kept", "reward_trained")),
+    Panel("reward", ("reward", "rollout/window_reward", "rollout/window_reward_kept")),
     Panel("reward per function", ("rewards/*/mean",)),
-    Panel("reward spread", ("reward_group_std", "frac_reward_zero_std")),
+    Panel("reward spread", ("reward_group_std", "rollout/window_frac_reward_zero_std")),
     Panel("distance to the sampler", ("kl", "sampling/sampling_logp_difference/mean",
                                       "sampling/sampling_logp_difference/max")),
     Panel("importance sampling", ("sampling/importance_sampling_ratio/mean", "sampling/importance_sampling_ratio/min",

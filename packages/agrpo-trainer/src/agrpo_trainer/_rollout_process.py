@@ -1,7 +1,6 @@
 """`RolloutProcess`: the rollout loop in a spawned CPU process, and the trainer's end of it (SPEC F-PROC).
 
-Owns the process boundary: what crosses it (`RolloutHandoff`, pickled once at start and checked object by
-object, so a lambda fails with its name and the fix), the channels (a bounded sample queue, an unbounded
+Owns the process boundary: what crosses it is `_rollout_handoff.py`'s; here are the channels (a bounded sample queue, an unbounded
 event queue for drawn prompts, group outcomes, server state changes (`ServerEvent`: the trainer re-syncs a
 server that reports `resync`), metrics and the worker's traceback, a shared policy version, a
 wall-clock heartbeat, a stop event), health checks, and shutdown that leaves no process behind (the
@@ -30,13 +29,16 @@ import queue
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from agrpo_rollout import RolloutConfig
+from agrpo_sync import settle_interrupted_sync
 
+from ._dispatch_hold import IssuedSamples
 from ._exceptions import RolloutWorkerError
+from ._rollout_handoff import RolloutHandoff, pickle_handoff
 
 logger = logging.getLogger("agrpo_trainer")
 
@@ -48,99 +50,6 @@ _STARTUP_TIMEOUT_S = 300.0
 """Seconds the child may take to import and unpickle before its first heartbeat."""
 
 
-class LoopSettings:
-    """What the loop reads as `self.config`: the resolved `RolloutConfig` fields first, then the trainer
-    config's (so fields of an `AsyncGRPOConfig` subclass reach a custom loop, as in the reference)."""
-
-    def __init__(self, rollout: RolloutConfig, trainer: Any) -> None:
-        self.rollout = rollout
-        self.trainer = trainer
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("rollout", "trainer"):  # not set yet (unpickling): no recursion
-            raise AttributeError(name)
-        try:
-            return getattr(self.rollout, name)
-        except AttributeError:
-            return getattr(self.trainer, name)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"rollout": self.rollout, "trainer": self.trainer}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.rollout, self.trainer = state["rollout"], state["trainer"]
-
-
-@dataclass(kw_only=True)
-class RolloutHandoff:
-    """Everything the spawned process gets; every part must pickle (module-level functions and classes)."""
-
-    loop_cls: type
-    settings: LoopSettings
-    tokenizer: Any
-    dataset: Any
-    reward_funcs: list[Callable]
-    tools: list[Callable]
-    environment_factory: Any
-    start_index: int = 0
-    max_epochs: int | None = None
-    skip_prompts: frozenset[tuple[int, int]] = frozenset()
-    """Prompts a resumed run already trained, in the loop's own epochs."""
-
-    def build_loop(self) -> Any:
-        return self.loop_cls(
-            self.settings,
-            tokenizer=self.tokenizer,
-            dataset=self.dataset,
-            reward_funcs=self.reward_funcs,
-            tools=self.tools,
-            environment_factory=self.environment_factory,
-            start_index=self.start_index,
-            max_epochs=self.max_epochs,
-            skip_prompts=self.skip_prompts,
-        )
-
-
-def _named_parts(handoff: RolloutHandoff) -> Iterator[tuple[str, Any, str]]:
-    """(name, object, fix) of every user-supplied part, checked one by one for a precise message."""
-    module_level = (
-        "define it at module level (a function, functools.partial of one, or a callable class instance)"
-    )
-    for i, func in enumerate(handoff.reward_funcs):
-        yield f"reward_funcs[{i}] {getattr(func, '__qualname__', func)!r}", func, module_level
-    for i, tool in enumerate(handoff.tools):
-        fix = "tools are registered by __name__: make it a module-level function"
-        yield f"tools[{i}] {getattr(tool, '__qualname__', tool)!r}", tool, fix
-    factory = handoff.environment_factory
-    factories = (
-        factory.items() if isinstance(factory, dict) else ([("", factory)] if factory is not None else [])
-    )
-    for key, value in factories:
-        where = f"environment_factory[{key!r}]" if key else "environment_factory"
-        yield f"{where} {getattr(value, '__qualname__', value)!r}", value, module_level
-    yield (
-        f"loop_cls {handoff.loop_cls.__qualname__!r}",
-        handoff.loop_cls,
-        "define the loop subclass at module level",
-    )
-    yield "the trainer config (args)", handoff.settings.trainer, "keep config fields plain values"
-    yield "train_dataset", handoff.dataset, "pass a datasets.Dataset/IterableDataset or a list of dicts"
-    yield "processing_class", handoff.tokenizer, "pass a tokenizer loaded with from_pretrained"
-
-
-def pickle_handoff(handoff: RolloutHandoff) -> bytes:
-    """The handoff as bytes; a part that cannot cross the process boundary raises TypeError naming it."""
-    for name, obj, fix in _named_parts(handoff):
-        try:
-            pickle.dumps(obj)
-        except (pickle.PicklingError, TypeError, AttributeError) as error:
-            raise TypeError(
-                f"{name} cannot be sent to the rollout process, which is spawned and receives everything pickled "
-                f"({type(error).__name__}: {error}); a lambda or a closure cannot be pickled: {fix}"
-            ) from error
-    return pickle.dumps(handoff)
-
-
 @dataclass(frozen=True, kw_only=True)
 class _Channels:
     samples: Any
@@ -148,6 +57,10 @@ class _Channels:
     version: Any
     heartbeat: Any
     stop: Any
+    sample_allowance: Any
+    """Samples the producer may have issued in all (`DispatchHold`): groups beyond it wait."""
+    held: Any
+    """1 while the producer waits for a larger allowance."""
 
 
 @contextlib.contextmanager
@@ -176,7 +89,7 @@ def _put(channel: Any, item: Any, stop: Any) -> bool:
     return False
 
 
-async def _run_loop(loop: Any, ch: _Channels) -> None:
+async def _run_loop(loop: Any, ch: _Channels, sync_journal: str | None = None) -> None:
     main = asyncio.current_task()
     event_loop = asyncio.get_running_loop()
 
@@ -189,6 +102,9 @@ async def _run_loop(loop: Any, ch: _Channels) -> None:
 
     def watch_parent() -> None:  # a trainer killed with SIGKILL never calls stop(): do not outlive it
         mp.connection.wait([mp.parent_process().sentinel])
+        if sync_journal:  # nobody else would resume a server its sync left paused
+            with contextlib.suppress(Exception):
+                settle_interrupted_sync(Path(sync_journal))
         ch.stop.set()
 
     threading.Thread(target=watch_stop, daemon=True, name="agrpo-rollout-stop").start()
@@ -201,15 +117,25 @@ async def _run_loop(loop: Any, ch: _Channels) -> None:
 
     heart = asyncio.ensure_future(beat())
 
+    issued = IssuedSamples(loop.config.num_generations, ch.sample_allowance, ch.held)
+    max_staleness = loop.config.max_staleness
+
     def on_group(outcome: Any) -> None:
+        issued.outcome(outcome)
         ch.events.put(("group", dataclasses.replace(outcome, group=None)))
+
+    def on_draw(row_index: int, epoch: int) -> None:
+        issued.draw()
+        ch.events.put(("draw", (epoch, row_index)))
 
     try:
         await loop.run(
             lambda sample: _put(ch.samples, ("sample", sample), ch.stop),
             policy_version=lambda: ch.version.value,
             on_group=on_group,
-            on_draw=lambda row_index, epoch: ch.events.put(("draw", (epoch, row_index))),
+            on_draw=on_draw,
+            may_dispatch=issued.may_dispatch,
+            trainable=lambda version: ch.version.value - version <= max_staleness,  # else it is dropped
             on_server=lambda event: ch.events.put(("server", event)),
             metrics_sink=lambda metrics: _push_metrics(ch, metrics),
         )
@@ -236,8 +162,8 @@ def warn_cpu_rewards(reward_funcs: list) -> None:
 def _child_main(payload: bytes, ch: _Channels) -> None:
     """Entry point of the spawned process."""
     try:
-        loop = pickle.loads(payload).build_loop()
-        asyncio.run(_run_loop(loop, ch))
+        handoff = pickle.loads(payload)
+        asyncio.run(_run_loop(handoff.build_loop(), ch, handoff.sync_journal))
         _put(ch.samples, ("end", None), ch.stop)
     except asyncio.CancelledError:  # stop() was called: a clean end
         pass
@@ -273,6 +199,8 @@ class RolloutProcess:
             samples=ctx.Queue(maxsize=self.queue_maxsize),
             events=ctx.Queue(),
             version=ctx.Value("i", 0, lock=False),
+            sample_allowance=ctx.Value("q", 2**62, lock=False),
+            held=ctx.Value("i", 0, lock=False),
             heartbeat=ctx.Value("d", 0.0, lock=False),
             stop=ctx.Event(),
         )
@@ -282,6 +210,14 @@ class RolloutProcess:
         )
         with _child_environment():
             self.process.start()
+
+    def set_sample_allowance(self, samples: int) -> None:
+        """How many samples the producer may have issued in all, from the trainer's `DispatchHold`."""
+        self._channels.sample_allowance.value = int(samples)
+
+    def producer_held(self) -> bool:
+        """Whether the producer waits for a larger sample allowance right now."""
+        return bool(self._channels.held.value)
 
     def set_policy_version(self, version: int) -> None:
         """Groups dispatched from now on carry `version` (call only once the server serves it)."""

@@ -126,6 +126,13 @@ def all_ranks(stats: LossStats) -> LossStats:
     return LossStats.from_tensors(sums, maxima)
 
 
+def _trained_reward(samples: list) -> float:
+    """Mean reward of the rollouts the step trained, each once however many samples it forked into."""
+    by_rollout = {(s.group_id, s.rollout_id or id(s)): s.reward for s in samples}
+    scored = [r for r in by_rollout.values() if not np.isnan(r)]
+    return float(np.mean(scored)) if scored else float("nan")
+
+
 def _sample_metrics(samples: list) -> dict[str, float]:
     if not samples:
         return {}
@@ -135,7 +142,7 @@ def _sample_metrics(samples: list) -> dict[str, float]:
         "sample/forwarded_tokens_max": float(np.max(lengths)),
         "sample/trained_tokens_mean": float(np.mean([s.num_trained for s in samples])),
         "reward_group_std": float(np.mean([s.group_reward_std for s in samples])),
-        "reward_trained": float(np.nanmean([s.reward for s in samples])),
+        "reward": _trained_reward(samples),
     }
     by_func, std_by_func = defaultdict(list), defaultdict(list)
     for sample in samples:

@@ -44,7 +44,9 @@ from ._checkpoint import (
 from ._completions import CompletionLog
 from ._config import AsyncGRPOConfig, check_inputs, dataset_size
 from ._device_row import prepare_device_row
+from ._dispatch_hold import DispatchHold
 from ._flops import ModelFlops, flop_counting
+from ._layer_region import LayerRegions
 from ._loss import LossStats
 from ._metrics import MetricWindow
 from ._micro_batch_stream import PackedMicroBatch, empty_micro_batch
@@ -55,8 +57,10 @@ from ._policy_sync import PolicySync, served_max_model_len
 from ._progress import TrainingProgress
 from ._ranks import rank_world, scatter, share
 from ._report import RunReport
-from ._rollout_process import LoopSettings, RolloutHandoff, RolloutProcess, pickle_handoff, warn_cpu_rewards
+from ._rollout_handoff import LoopSettings, RolloutHandoff, pickle_handoff
+from ._rollout_process import RolloutProcess, warn_cpu_rewards
 from ._step import StepSettings, micro_batch_loss
+from ._step_guard import EmptyStepGuard
 from ._step_metrics import StepClock, all_ranks, step_metrics
 
 logger = logging.getLogger("agrpo_trainer")
@@ -129,6 +133,7 @@ class AsyncGRPOTrainer(Trainer):
         self._resume, self._clock, self._window = ResumePoint(), StepClock(), MetricWindow()
         self._step_batches: list[PackedMicroBatch] = []
         self._step_stats = LossStats.empty()
+        self._empty_steps = EmptyStepGuard()
         self.last_step_samples: list = []
         """The `RolloutSample`s the last optimizer step trained (rank 0), for callbacks."""
         self.last_step_prompts: list[tuple[int, int]] = []
@@ -141,6 +146,7 @@ class AsyncGRPOTrainer(Trainer):
             self.add_callback(TrainingProgress())
         self.add_callback(RunReport())
         self.add_callback(_PipelineCallback(self))
+        self._layer_regions = LayerRegions.for_trainer(self)  # compiled layers; checkpointing_mode="auto"
         if self.args.log_completions:
             self.add_callback(CompletionLog(self))
 
@@ -163,6 +169,7 @@ class AsyncGRPOTrainer(Trainer):
             start_index=self._resume.start_index,
             max_epochs=remaining,
             skip_prompts=self._resume.loop_skip(),
+            sync_journal=str(self._policy_sync.weight_sync.journal.path) if self._policy_sync else None,
         )
 
     def _make_sample_source(self, num_processes: int) -> Any:
@@ -191,9 +198,7 @@ class AsyncGRPOTrainer(Trainer):
 
     def _max_model_len(self) -> int | None:
         """The server's context length, for `token_budget=None` (rank 0)."""
-        return (
-            served_max_model_len(self.args.server_urls[0]) if self.args.token_budget is None else None
-        )
+        return served_max_model_len(self.args.server_urls[0]) if self.args.token_budget is None else None
 
     def _start_pipeline(self) -> None:
         rank, world = rank_world()
@@ -201,6 +206,7 @@ class AsyncGRPOTrainer(Trainer):
         self.attention_backend = enable_tree(
             policy, self.args.attention_backend
         )  # on its training device now
+        self._layer_regions.install(policy, router_logits=self.step_settings.router_aux_loss_coef > 0)
         self._clock.flop_model, self._clock.peak_flops = flop_counting(policy, self.args)
         self._policy_sync = self._start_policy_sync()
         version = 0
@@ -216,6 +222,7 @@ class AsyncGRPOTrainer(Trainer):
             max_staleness=self.args.max_staleness,
             prefetch=self.args.gradient_accumulation_steps + 1,
             resume=self._resume,
+            hold=DispatchHold.for_run(self.args, world),
         )
         self._pipeline.start(version)
 
@@ -324,8 +331,12 @@ class AsyncGRPOTrainer(Trainer):
     def _finish_step(self, control) -> None:
         """After the optimizer step: settle prompts, sync weights, gather metrics, stop after the epochs."""
         rank, world = rank_world()
-        metrics = step_metrics(self._step_batches, all_ranks(self._step_stats), self._clock)
+        stats = all_ranks(self._step_stats)
+        metrics = step_metrics(self._step_batches, stats, self._clock)
         self._step_stats = LossStats.empty()
+        self._empty_steps.check(
+            stats.metrics(), self.state.global_step
+        )  # every rank's terms: all raise together
         if rank == 0:
             self._pipeline.settle(self._step_batches)
             if dataset_size(self.prompt_dataset):  # epochs are passes over the prompts, not over batches
@@ -386,5 +397,3 @@ def _step_settings(args: AsyncGRPOConfig, policy: torch.nn.Module) -> StepSettin
         router_aux_loss_coef=router_aux_loss_coef(policy, args.router_aux_loss_coef),
         truncated_sampling=args.top_k > 0 or args.top_p < 1.0 or bool(args.min_p),
     )
-
-

@@ -50,6 +50,7 @@ class AdaptiveBackend:
     supports_softcap = False
     input_dtypes = None
     forward_only_on = FlexBackend.forward_only_on
+    under_compile = "trace"  # the row's choice is a guarded object: one graph per chosen backend
 
     def __init__(self) -> None:
         self._varlen, self._flex = VarlenBackend(), FlexBackend()

@@ -18,6 +18,7 @@ class AiterBackend(GatheredPathBackend):
     """aiter.flash_attn_varlen_func over gathered paths (ROCm GPUs)."""
 
     name = "aiter"
+    under_compile = "eager"  # untested under torch.compile (no kernel on this project's machines)
     supports_softcap = True
 
     def unavailable_reason(self, device: torch.device) -> str | None:

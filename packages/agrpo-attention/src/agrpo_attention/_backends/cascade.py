@@ -222,6 +222,7 @@ class CascadeBackend:
     supports_softcap = False
     input_dtypes = None  # FA2 for fp16/bf16, the plain PyTorch twin for float32
     forward_only_on = ()
+    under_compile = "eager"  # dynamo fails on the autograd.Function (SyntaxError: duplicate argument)
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         if device.type != "cuda" or torch.version.cuda is None:

@@ -35,6 +35,7 @@ class FA3Backend(GatheredPathBackend):
     """flash_attn_varlen_func of FlashAttention-3 over gathered paths (CUDA, compute capability 9.x)."""
 
     name = "fa3"
+    under_compile = "eager"  # untested under torch.compile (no kernel on this project's machines)
     supports_softcap = True
 
     def unavailable_reason(self, device: torch.device) -> str | None:

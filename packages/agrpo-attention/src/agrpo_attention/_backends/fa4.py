@@ -19,6 +19,7 @@ class FA4Backend(GatheredPathBackend):
     """flash_attn.cute.flash_attn_varlen_func over gathered paths (CUDA, compute capability >= 10)."""
 
     name = "fa4"
+    under_compile = "eager"  # untested under torch.compile (no kernel on this project's machines)
     supports_softcap = True
 
     def unavailable_reason(self, device: torch.device) -> str | None:

@@ -90,6 +90,7 @@ class FlexBackend:
     supports_softcap = True
     input_dtypes = None
     forward_only_on = ("cpu",)  # FlexAttention's eager CPU path has no backward
+    under_compile = "trace"  # flex_attention is a higher-order op; the block mask's tensors are graph inputs
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         try:
@@ -108,7 +109,9 @@ class FlexBackend:
                 "there): enable_tree_attention(model, backend='reference') to train on CPU, or run this "
                 "forward under torch.no_grad()"
             )
-        if query.device.type == "cuda":
+        if torch.compiler.is_compiling():  # inside a compiled layer: its graph takes the op in directly
+            from torch.nn.attention.flex_attention import flex_attention as flex
+        elif query.device.type == "cuda":
             flex = _compiled_flex_attention()
         else:
             from torch.nn.attention.flex_attention import flex_attention as flex

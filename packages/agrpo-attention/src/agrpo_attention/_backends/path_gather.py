@@ -52,6 +52,8 @@ class GatheredPathBackend:
     input_dtypes: tuple[torch.dtype, ...] | None = (torch.float16, torch.bfloat16)
     """Flash varlen kernels (FA2/3/4, aiter) run half precision only."""
     forward_only_on: tuple[str, ...] = ()
+    under_compile = "trace"
+    """torch's varlen_attn is a custom op with its own backward; FA3/FA4/aiter override this."""
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         raise NotImplementedError

@@ -2,13 +2,15 @@
 
 Owns the call into torch's own variable-length flash attention (FA2 kernels shipped with CUDA torch,
 no download). Its keyword set moved between torch releases (`is_causal=` early, `window_size=(-1, 0)`
-later; `enable_gqa=` only in some), so the call adapts to the installed signature once. No softcap.
-Does not know the gather (see `path_gather.py`).
+later; `enable_gqa=` only in some), so the call adapts to the installed signature, read once by `prepare`
+(eagerly, at plan time): inside a compiled decoder layer dynamo then reads a stored set instead of
+tracing `inspect.signature`. varlen_attn is a torch custom op (`torch_attn::_varlen_attn`, its sizes and
+maxima SymInts), so it traces into a compiled layer as one opaque call. No softcap. Does not know the
+gather (see `path_gather.py`).
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 
 import torch
@@ -16,12 +18,16 @@ import torch
 from .._tree_layout import TreeLayout
 from .path_gather import GatheredPathBackend
 
+_SIGNATURE: list[frozenset[str]] = []
+"""varlen_attn's keyword names, read on first use (a plain list, which dynamo reads as a constant)."""
 
-@functools.cache
+
 def _varlen_keywords() -> frozenset[str]:
-    from torch.nn.attention.varlen import varlen_attn
+    if not _SIGNATURE:
+        from torch.nn.attention.varlen import varlen_attn
 
-    return frozenset(inspect.signature(varlen_attn).parameters)
+        _SIGNATURE.append(frozenset(inspect.signature(varlen_attn).parameters))
+    return _SIGNATURE[0]
 
 
 def _causal_keywords(num_q_heads: int, num_kv_heads: int) -> dict:
@@ -47,6 +53,10 @@ class VarlenBackend(GatheredPathBackend):
             import torch.nn.attention.varlen
         except ImportError:
             return f"torch {torch.__version__} has no torch.nn.attention.varlen; install torch>=2.10"
+        return None
+
+    def prepare(self, layout: TreeLayout) -> object:
+        _varlen_keywords()  # read the signature here, eagerly, not inside a compiled layer
         return None
 
     def _kernel(self, q, k, v, layout: TreeLayout, *, scaling, softcap):

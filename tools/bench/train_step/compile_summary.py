@@ -1,0 +1,131 @@
+"""The issue-20 targets read back from a `gpu_compile.sh` run: one line per setup and ratio, then the checks.
+
+Run: `python -m tools.bench.train_step.compile_summary OUT_DIR` (the JSON files the bench wrote there). For
+every measured row: MFU (tree / plain), tree/plain MFU, trained tokens/s and their ratio to today's eager
+step at the same ratio (the `on` setup without compile, from any file), peak memory, GPU idle; then parity,
+graph and recompile counts per setup, the auto choice, and the weight cast's saving (steps with and
+without it, eager and compiled). Targets: >= 40% MFU with checkpointing, >= 45% without, tree/plain >= 0.95,
+idle < 2%, tokens/s >= 1.5x eager. Does not measure anything.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def _load(folder: Path) -> tuple[list[dict], list[dict]]:
+    results, setups = [], []
+    for path in sorted(folder.glob("*.json")):
+        data = json.loads(path.read_text())
+        for r in data.get("results", []):
+            results.append({**r, "file": path.stem})
+        setups += [{**s, "file": path.stem} for s in data.get("setups", [])]
+    return results, setups
+
+
+def _eager(results: list[dict]) -> dict:
+    """(model, ratio, kind) -> trained tok/s of today's eager step."""
+    out = {}
+    for r in results:
+        if r["checkpointing"] == "on" and not r["compile"]:
+            for kind in ("tree", "plain"):
+                if kind in r:
+                    out[(r["model"], r["ratio"], kind)] = r[kind]["trained_tok_s"]
+    return out
+
+
+def _line(r: dict, eager: dict) -> str:
+    parts = [f"{r['file']:<26} {r['model']:<11} ratio {r['ratio']:<4} {r['checkpointing']:<9}"]
+    for kind in ("tree", "plain"):
+        if kind not in r:
+            continue
+        m = r[kind]
+        base = eager.get((r["model"], r["ratio"], kind))
+        speed = f" ({m['trained_tok_s'] / base:.2f}x eager)" if base else ""
+        idle = f" idle {100 * m['gpu_idle_frac']:.1f}%" if "gpu_idle_frac" in m else ""
+        chose = f" auto->{m['auto_chose']}" if "auto_chose" in m else ""
+        parts.append(
+            f"{kind} MFU {100 * m['mfu']:.1f}% {m['trained_tok_s']:.0f} tok/s{speed} {m['peak_gib']:.0f} GiB{idle}{chose}"
+        )
+    if "tree_over_plain_mfu" in r:
+        parts.append(f"tree/plain {r['tree_over_plain_mfu']:.3f}")
+    return " | ".join(parts)
+
+
+def _checks(results: list[dict], eager: dict) -> list[str]:
+    out = []
+    for r in results:
+        if not r["compile"]:
+            continue
+        for kind in ("tree", "plain"):
+            if kind not in r:
+                continue
+            m, none = r[kind], r["checkpointing"] == "none" or r[kind].get("auto_chose") == "none"
+            target = 0.45 if none else 0.40
+            base = eager.get((r["model"], r["ratio"], kind))
+            flags = [
+                f"MFU {'ok' if m['mfu'] >= target else 'MISSED'} ({100 * m['mfu']:.1f}% vs {100 * target:.0f}%)"
+            ]
+            if base:
+                ratio = m["trained_tok_s"] / base
+                flags.append(f"tok/s {'ok' if ratio >= 1.5 else 'MISSED'} ({ratio:.2f}x)")
+            if "gpu_idle_frac" in m:
+                flags.append(
+                    f"idle {'ok' if m['gpu_idle_frac'] < 0.02 else 'MISSED'} ({100 * m['gpu_idle_frac']:.1f}%)"
+                )
+            out.append(f"{r['file']} {r['model']} ratio {r['ratio']} {kind}: " + ", ".join(flags))
+        if "tree_over_plain_mfu" in r:
+            ok = "ok" if r["tree_over_plain_mfu"] >= 0.95 else "MISSED"
+            out.append(
+                f"{r['file']} {r['model']} ratio {r['ratio']}: tree/plain MFU {ok} ({r['tree_over_plain_mfu']:.3f})"
+            )
+    return out
+
+
+def _weight_cast(results: list[dict]) -> list[str]:
+    by = {}
+    for r in results:
+        if "tree" in r and r["ratio"] == 1.0 and r["checkpointing"] in ("full", "selective"):
+            by.setdefault((r["model"], r["compile"], r["checkpointing"]), {})[r["cast_weights"]] = r["tree"][
+                "seconds"
+            ]
+    out = []
+    for (model, compiled, mode), seconds in sorted(by.items()):
+        if True in seconds and False in seconds:
+            saved = 1 - seconds[True] / seconds[False]
+            out.append(f"{model} {'compiled' if compiled else 'eager'} {mode}, ratio 1 tree: step {seconds[False]:.3f} s "
+                       f"without the cast once, {seconds[True]:.3f} s with it ({100 * saved:.1f}% saved)")  # fmt: skip
+    return out
+
+
+def main() -> None:
+    folder = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/gpu_compile")
+    results, setups = _load(folder)
+    eager = _eager(results)
+    print(f"{len(results)} measured setups x ratios in {folder}")
+    for r in results:
+        print(_line(r, eager))
+        if "parity" in r:
+            p = r["parity"]
+            print(f"    parity vs eager: loss rel {p['loss_rel_diff']:.2e}, grad rel {p['grad_rel_diff']:.2e} "
+                  f"(worst parameter {p['grad_rel_diff_worst_param']:.2e}), cosine {p['grad_cosine']:.6f}")  # fmt: skip
+    for s in setups:
+        if "cast_probe" in s:
+            c = s["cast_probe"]
+            print(f"{s['file']}: {s['model']}: one bf16 cast of {c['weights']} layer weights ({c['gib']:.1f} GiB moved): "
+                  f"{1e3 * c['seconds']:.2f} ms")  # fmt: skip
+            continue
+        extra = ""
+        if "recompile" in s:
+            rc = s["recompile"]
+            extra = f"; over {rc['steps']} more steps of fresh rows: {rc['new_graphs']} new graphs"
+        print(f"{s['file']}: {s['setup']}: {s['graphs']} graphs, {s['graph_breaks']} graph breaks{extra}")
+    print("targets:")
+    for line in _checks(results, eager) + _weight_cast(results):
+        print("  " + line)
+
+
+if __name__ == "__main__":
+    main()

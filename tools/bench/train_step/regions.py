@@ -1,0 +1,176 @@
+"""How the benchmark runs a model's decoder layers: transformers' own path or the trainer's `LayerRegions`.
+
+Owns `LayerSetup` (compile on/off with backend and mode, checkpointing, the bf16 weight cast) and what
+is measured about it: `apply` puts it on a model (`on`/`off` are transformers' gradient checkpointing
+without regions, the eager step as it was before issue 20; `full`, `selective`, `none` and `auto` are
+`LayerRegions` as the trainer installs them), `auto_hooks` drives `checkpointing="auto"`'s first-step
+choice as the trainer's callback does, `parity` compares one setup's step loss and gradients against the
+same regions run eagerly, `cast_seconds` times one bf16 cast of the layers' weights (what casting once per
+step saves per forward and recompute), and `graph_counts` reads dynamo's counters (graphs, graph breaks).
+Does not know timing or reporting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, replace
+
+import torch
+from torch._dynamo.utils import counters
+
+from agrpo_packing import PackedRow
+from agrpo_trainer._device_row import prepare_device_row
+from agrpo_trainer._layer_region import LayerRegions, RegionSettings
+from agrpo_trainer._step import micro_batch_loss
+
+STOCK_MODES = ("on", "off")
+"""transformers' gradient checkpointing on/off, layers as the model defines them (no regions)."""
+REGION_MODES = ("full", "selective", "none", "auto")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayerSetup:
+    """One way of running the decoder layers."""
+
+    checkpointing: str
+    """`on`/`off` (transformers', no regions) or a `LayerRegions` mode: full, selective, none, auto."""
+    compile: bool = False
+    compile_backend: str = "inductor"
+    compile_mode: str | None = None
+    cast_weights: bool = True
+
+    @property
+    def label(self) -> str:
+        if self.checkpointing in STOCK_MODES:
+            return f"transformers checkpointing {self.checkpointing}, eager"
+        compiled = f"compiled ({self.compile_backend})" if self.compile else "eager"
+        return (
+            f"regions {compiled}, checkpointing {self.checkpointing}, weights cast once {self.cast_weights}"
+        )
+
+    def settings(self) -> RegionSettings:
+        return RegionSettings(
+            compile=self.compile, compile_backend=self.compile_backend, compile_mode=self.compile_mode,
+            checkpointing=self.checkpointing, cast_weights=self.cast_weights,
+        )  # fmt: skip
+
+
+def apply(model: torch.nn.Module, setup: LayerSetup, previous: LayerRegions | None) -> LayerRegions | None:
+    """Put `setup` on `model`, replacing the previous setup's regions; the new regions, or None."""
+    if setup.checkpointing not in STOCK_MODES + REGION_MODES:
+        raise ValueError(
+            f"--checkpointing {setup.checkpointing!r}; expected one of {STOCK_MODES + REGION_MODES}"
+        )
+    if previous is not None:
+        previous.uninstall()
+    if setup.checkpointing in STOCK_MODES:
+        if setup.compile:
+            raise ValueError("--compile on needs a regions mode (full, selective, none, auto), not on/off")
+        if setup.checkpointing == "on":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_disable()
+        return None
+    model.gradient_checkpointing_disable()
+    return LayerRegions(setup.settings()).install(model)
+
+
+class AutoHooks:
+    """`checkpointing="auto"`: the trainer's `CheckpointingChoice` callback, called around one step."""
+
+    def __init__(self, regions: LayerRegions | None, max_row_tokens: int) -> None:
+        self.choice = regions.choice if regions is not None and regions.choice.pending else None
+        if regions is not None:
+            regions.max_row_tokens = max_row_tokens
+
+    def begin(self) -> None:
+        if self.choice is not None:
+            self.choice.on_step_begin(None, None, None)
+
+    def before_optimizer(self) -> None:
+        if self.choice is not None:
+            self.choice.on_pre_optimizer_step(None, None, None)
+
+    def end(self) -> str | None:
+        """The mode chosen (None when nothing was pending)."""
+        if self.choice is None:
+            return None
+        self.choice.on_step_end(None, None, None)
+        return self.choice.regions.mode
+
+
+def _loss_and_grads(model, rows: list[PackedRow], settings, *, amp: bool) -> tuple[float, list[torch.Tensor]]:
+    device = next(model.parameters()).device
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if amp else contextlib.nullcontext()
+    model.zero_grad(set_to_none=True)
+    tokens, total = sum(row.num_loss_terms for row in rows), 0.0
+    for row in rows:
+        prepared = prepare_device_row(row, model)
+        with autocast:
+            loss, _ = micro_batch_loss(
+                model, prepared.row, settings, step_trained_tokens=tokens, world_size=1,
+                micro_batches_per_step=len(rows), plan=prepared.plan,
+            )  # fmt: skip
+        loss.backward()
+        total += float(loss.detach())
+    grads = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+    return total, grads
+
+
+def parity(
+    model, rows: list[PackedRow], setup: LayerSetup, regions: LayerRegions, step_settings, *, amp: bool
+) -> dict:
+    """This setup's step (loss and gradients over `rows`) against the same regions run eagerly: relative loss
+    difference, relative gradient difference (over all parameters, and the worst parameter), cosine."""
+    loss_c, grads_c = _loss_and_grads(model, rows, step_settings, amp=amp)
+    regions.uninstall()
+    eager = LayerRegions(replace(setup, compile=False, checkpointing=regions.mode).settings()).install(model)
+    loss_e, grads_e = _loss_and_grads(model, rows, step_settings, amp=amp)
+    eager.uninstall()
+    regions.install(model)
+    diff = torch.stack([(c.float() - e.float()).norm() for c, e in zip(grads_c, grads_e, strict=True)])
+    norms = torch.stack([e.float().norm() for e in grads_e])
+    dot = sum(float((c.float() * e.float()).sum()) for c, e in zip(grads_c, grads_e, strict=True))
+    total_c = float(torch.stack([c.float().norm() for c in grads_c]).norm())
+    return {
+        "loss": loss_c, "loss_eager": loss_e, "loss_rel_diff": abs(loss_c - loss_e) / max(abs(loss_e), 1e-12),
+        "grad_rel_diff": float(diff.norm() / norms.norm()),
+        "grad_rel_diff_worst_param": float((diff / norms.clamp_min(1e-12)).max()),
+        "grad_cosine": dot / max(total_c * float(norms.norm()), 1e-30),
+    }  # fmt: skip
+
+
+def cast_seconds(model: torch.nn.Module, repeats: int = 5) -> dict:
+    """One bf16 cast of every matmul weight of the decoder layers (what autocast does per forward and per
+    recompute, and `WeightCast` once per step): median seconds, weights and bytes cast."""
+    from agrpo_trainer._layer_region import decoder_layers
+    from agrpo_trainer._weight_cast import castable_names
+
+    weights = [layer.get_parameter(n) for layer in decoder_layers(model) for n in castable_names(layer)]
+    weights = [w for w in weights if w.dtype != torch.bfloat16]
+    if not weights:
+        return {"weights": 0, "seconds": 0.0, "gib": 0.0}
+    cuda = weights[0].is_cuda
+    times = []
+    with torch.no_grad():
+        for _ in range(repeats + 1):
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            copies = [w.to(torch.bfloat16) for w in weights]
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            del copies
+    gib = sum(w.numel() for w in weights) * 6 / 2**30  # fp32 read, bf16 written
+    return {"weights": len(weights), "seconds": sorted(times[1:])[repeats // 2], "gib": gib}
+
+
+def graph_counts() -> dict:
+    """Graphs dynamo has compiled and graph breaks it has hit in this process so far."""
+    return {
+        "graphs": int(counters["stats"]["unique_graphs"]),
+        "graph_breaks": int(sum(counters["graph_break"].values())),
+    }
