@@ -477,7 +477,10 @@ def test_a_group_that_can_no_longer_be_trained_is_cancelled_and_the_server_abort
 
     async def go():
         async def stale_once_running():
+            deadline = time.monotonic() + 60
             while (running := await asyncio.to_thread(_running_requests, vllm_server.url)) == 0:
+                if time.monotonic() > deadline or loop_done.is_set():
+                    break  # checked below: the group never ran on the server
                 await asyncio.sleep(0.05)
             state["running"], state["trainable"], start = running, False, time.monotonic()  # too old now
             while await asyncio.to_thread(_running_requests, vllm_server.url) > 0:
@@ -485,14 +488,19 @@ def test_a_group_that_can_no_longer_be_trained_is_cancelled_and_the_server_abort
                 await asyncio.sleep(0.1)
             state["aborted_after_s"] = time.monotonic() - start
 
+        loop_done = asyncio.Event()
         watch = asyncio.ensure_future(stale_once_running())
-        await loop.run(
-            samples.append, on_group=groups.append, metrics_sink=metrics.append,
-            trainable=lambda version: state["trainable"],
-        )  # fmt: skip
+        try:
+            await loop.run(
+                samples.append, on_group=groups.append, metrics_sink=metrics.append,
+                trainable=lambda version: state["trainable"],
+            )  # fmt: skip
+        finally:
+            loop_done.set()
         await watch
 
     asyncio.run(go())
-    assert state["running"] >= 1 and state["aborted_after_s"] < 10
+    assert state["running"] >= 1, f"the group never ran on the server: {groups}, {metrics[-1:]}"
+    assert state["aborted_after_s"] < 10
     assert [(g.kept, g.reason) for g in groups] == [(False, "stale")] and not samples
     assert metrics[-1]["rollout/groups_cancelled_total"] == 1.0

@@ -196,8 +196,12 @@ def test_several_servers_come_as_a_list_from_python_a_flag_or_a_config_file(tmp_
 
 
 def test_torch_compile_defaults_to_per_layer_compilation_on_cuda_only(tmp_path, monkeypatch):
+    from agrpo_trainer import _layer_region
     from agrpo_trainer._layer_region import default_torch_compile
 
+    assert _layer_region.COMPILE_BY_DEFAULT is False, "off until compiled gradients match eager on GPU"
+    assert default_torch_compile(use_cpu=False, fsdp=False, named=False) is False
+    monkeypatch.setattr(_layer_region, "COMPILE_BY_DEFAULT", True)  # the rule once it is switched on
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert default_torch_compile(use_cpu=False, fsdp=False, named=False) is True
     assert default_torch_compile(use_cpu=False, fsdp=True, named=False) is False  # FSDP2 + regions: unmeasured
