@@ -62,8 +62,8 @@ class AsyncGRPOConfig(TrainingArguments):
         metadata=_help(
             "Compile each decoder layer (torch_compile_backend/_mode; the rest stays eager): 1.66-1.98x the "
             "trained tokens/s at packing ratios 1-3.4 on an H200 (docs/benchmarks.md). None: False for now (True "
-            "when a backend or mode is named): its gradients are not yet shown to match eager on GPU, and new "
-            "row shapes recompile; compiling costs tens of seconds in the first steps."
+            "when a backend or mode is named): new tree-row segment counts still recompile, and gradient parity "
+            "is checked on CPU only; compiling costs tens of seconds in the first steps."
         ),
     )
     bf16: bool | None = field(

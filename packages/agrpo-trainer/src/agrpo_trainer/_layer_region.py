@@ -252,8 +252,9 @@ class LayerRegions:
 
 
 COMPILE_BY_DEFAULT = False
-"""Off until the compiled step's gradients match eager on the GPU: the first H200 run measured them 0.29
-relative apart (cosine 0.994) while the loss agreed to 2e-6 (docs/benchmarks.md, issue 20)."""
+"""Off until compiled regions are measured not to recompile per row and to match eager's gradients on the GPU:
+on the first H200 run new segment counts recompiled the region (0.70x eager at packing ratio 8), and the bench's
+gradient check could not tell (it reads 0.18 relative even for eager against eager; docs/benchmarks.md)."""
 
 
 def default_torch_compile(*, use_cpu: bool, fsdp: bool, named: bool) -> bool:
