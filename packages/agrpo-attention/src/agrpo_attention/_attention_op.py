@@ -19,10 +19,6 @@ from ._backends import BACKENDS
 from ._tree_layout import TreeLayout, layout_from_tensors
 
 
-def _layout(q_offsets, kv_index, kv_offsets, subtree_end, host_offsets) -> TreeLayout:
-    return layout_from_tensors(q_offsets, kv_index, kv_offsets, subtree_end, host_offsets)
-
-
 @torch.library.custom_op("agrpo::tree_attention", mutates_args=())
 def _tree_attention(
     query: torch.Tensor,
@@ -37,7 +33,7 @@ def _tree_attention(
     scaling: float,
     softcap: float,
 ) -> torch.Tensor:
-    layout = _layout(q_offsets, kv_index, kv_offsets, subtree_end, host_offsets)
+    layout = layout_from_tensors(q_offsets, kv_index, kv_offsets, subtree_end, host_offsets)
     chosen = BACKENDS[backend]
     out = chosen.attend(
         query, key, value, layout, chosen.prepare(layout), scaling=scaling, softcap=softcap or None
@@ -67,7 +63,7 @@ def _tree_attention_backward(
     scaling: float,
     softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    layout = _layout(q_offsets, kv_index, kv_offsets, subtree_end, host_offsets)
+    layout = layout_from_tensors(q_offsets, kv_index, kv_offsets, subtree_end, host_offsets)
     chosen = BACKENDS[backend]
     state = chosen.prepare(layout)
     grads = chosen.attend_backward(
