@@ -8,14 +8,13 @@ from agrpo_trainer._dispatch_hold import DispatchHold
 
 def test_the_window_is_max_staleness_plus_one_steps_after_a_push_and_one_less_while_a_step_runs():
     hold = DispatchHold(max_staleness=2, weight_sync_steps=1, samples_per_step=16)
-    hold.gone = 100
-    assert hold.allowance(step_running=False) == 100 + int(2.5 * 16)  # half a step kept for out-of-order groups
-    assert hold.allowance(step_running=True) == 100 + int(1.5 * 16)
+    assert hold.allowance(100, step_running=False) == 100 + int(2.5 * 16)  # half a step kept for out-of-order groups
+    assert hold.allowance(100, step_running=True) == 100 + int(1.5 * 16)
     on_policy = DispatchHold(max_staleness=0, weight_sync_steps=1, samples_per_step=16)
-    assert on_policy.allowance(step_running=True) == 0, "on-policy: nothing new until the push"
-    assert on_policy.allowance(step_running=False) == 16
+    assert on_policy.allowance(0, step_running=True) == 0, "on-policy: nothing new until the push"
+    assert on_policy.allowance(0, step_running=False) == 16
     every_4 = DispatchHold(max_staleness=1, weight_sync_steps=4, samples_per_step=8)
-    assert every_4.allowance(step_running=False) == int(1.5 * 8 * 4)
+    assert every_4.allowance(0, step_running=False) == int(1.5 * 8 * 4)
 
 
 def test_samples_per_step_is_measured_and_widened_when_the_trainer_starves():

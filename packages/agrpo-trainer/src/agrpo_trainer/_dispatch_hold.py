@@ -34,8 +34,6 @@ class DispatchHold:
         self.max_staleness = max_staleness
         self.weight_sync_steps = max(1, weight_sync_steps)
         self.samples_per_step = max(1.0, float(samples_per_step))
-        self.gone = 0
-        """Samples out of the queue: handed to a step, or dropped (stale, oversize)."""
 
     def observe_step(self, samples: int) -> None:
         """A finished optimizer step trained `samples`: refine S."""
@@ -57,14 +55,15 @@ class DispatchHold:
             samples_per_step=per_step,
         )
 
-    def allowance(self, *, step_running: bool) -> int:
-        """Samples the producer may have issued in all: those gone plus the window for what stays trainable."""
+    def allowance(self, gone: int, *, step_running: bool) -> int:
+        """Samples the producer may have issued in all: those `gone` from the queue (handed to a step, or
+        dropped stale or oversize) plus the window for what stays trainable."""
         versions = self.max_staleness + (0 if step_running else 1)
         if (
             self.max_staleness > 0
         ):  # groups finish out of order: one finishing late is trained after later ones
             versions -= _ORDER_MARGIN
-        return self.gone + int(versions * self.samples_per_step * self.weight_sync_steps)
+        return gone + int(versions * self.samples_per_step * self.weight_sync_steps)
 
 
 class IssuedSamples:

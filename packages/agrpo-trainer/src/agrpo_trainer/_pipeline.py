@@ -122,8 +122,8 @@ class AsyncPipeline:
     def _publish_allowance(self, *, step_running: bool) -> None:
         """Tell the producer how far it may run ahead (`DispatchHold`), after a take or a push."""
         if self.hold is not None:
-            self.hold.gone = self._taken + self.stream.samples_dropped
-            self.source.set_sample_allowance(self.hold.allowance(step_running=step_running))
+            gone = self._taken + self.stream.samples_dropped
+            self.source.set_sample_allowance(self.hold.allowance(gone, step_running=step_running))
             self._published_at = time.monotonic()
 
     @property
