@@ -157,6 +157,8 @@ WRITE_SITES = {
     "agrpo_sync/_lora_backend.py:setup": "<output_dir>/.vllm_lora",
     "agrpo_sync/_lora_backend.py:_write_config": "adapter_config.json inside the version's .partial directory",
     "agrpo_sync/_lora_backend.py:_remove": "deletes only directories whose resolved parent is <output_dir>/.vllm_lora",
+    "agrpo_sync/_sync_journal.py:record": "<output_dir>/.vllm_sync.json (+ .partial), WeightSync's fixed JOURNAL_NAME",
+    "agrpo_sync/_sync_journal.py:clear": "deletes <output_dir>/.vllm_sync.json once the servers are resumed",
 }
 
 

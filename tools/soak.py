@@ -10,7 +10,8 @@ loop with a fixed concurrency cap (`--concurrency`, 256 by default). Checked, an
 - nothing lost: every drawn prompt (`on_draw`) gets exactly one `on_group` outcome, and every kept
   group's samples all reached the sink, none twice, none from a group that was not kept;
 - no leak: asyncio tasks, threads, open file descriptors and child processes of this process, counted
-  before the first round, after the warm-up round(s) and after the last round, return to the warm count;
+  before the first round, after the warm-up round(s) and after the last round, return to the warm count
+  (threads leave out the event loop's default executor, which grows lazily to a fixed bound);
 - memory flat: RSS sampled every second; after warm-up it may not grow by more than `--rss-bound-mb`
   (the largest RSS of the last third of the run against the largest of the first third after warm-up).
 
@@ -134,9 +135,12 @@ class Resources:
 
     @classmethod
     def now(cls, own_tasks: int) -> Resources:
+        """Threads leave out the event loop's default executor (`asyncio_<n>`: getaddrinfo and `to_thread`
+        run there), which starts workers lazily up to its fixed `max_workers`: bounded, so not a leak."""
         me = psutil.Process()
         tasks = len(asyncio.all_tasks()) - own_tasks
-        return cls(tasks, threading.active_count(), me.num_fds(), len(me.children(recursive=True)))
+        threads = sum(not t.name.startswith("asyncio_") for t in threading.enumerate())
+        return cls(tasks, threads, me.num_fds(), len(me.children(recursive=True)))
 
 
 class RoundLedger:
@@ -207,6 +211,7 @@ class SoakReport:
                 if getattr(after, name) > getattr(warm, name):
                     self.problems.append(
                         f"{name}: {getattr(warm, name)} after warm-up, {getattr(after, name)} at the end"
+                        + (f" ({sorted(t.name for t in threading.enumerate())})" if name == "threads" else "")
                     )
         if after and after.tasks:
             self.problems.append(f"{after.tasks} asyncio tasks left after the last round")

@@ -446,8 +446,9 @@ def test_a_blocked_sink_stops_new_groups_once_the_score_queue_is_full(server_con
         return filled, still
 
     filled, still = asyncio.run(go())
-    # one group at the blocked sink, two in the queue, up to two in flight (4 slots, 2 rollouts each)
-    assert 3 <= filled == still <= 6, (filled, still)
+    # one group at the blocked sink, two in the queue, and up to four more in flight or waiting to enter it:
+    # a rollout gives its slot back when it ends, so four slots can hold one unfinished rollout of four groups
+    assert 3 <= filled == still <= 1 + 2 + 4, (filled, still)
 
 
 def _server_counts(url: str) -> dict[str, float]:

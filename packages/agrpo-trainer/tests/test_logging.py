@@ -75,6 +75,7 @@ BEYOND_REFERENCE = {
     "rollout/servers_serving", "rollout/server_restarts_total", "rollout/groups_redispatched_total",  # restarts
     "rollout/server_paused_s",  # a server held by /pause (a killed trainer's sync), named within seconds
     "sample/wasted_token_frac",  # generated tokens dropped untrained (stale, oversize) per trained token
+    "rollout/groups_cancelled_total",  # in-flight groups aborted once they could no longer be trained
 }  # fmt: skip
 # Deliberate differences from the reference: `reward` is the mean reward of the rollouts each optimizer step
 # trained, so it is logged every step; the rollout side's window values (the reference's `reward`,
