@@ -112,3 +112,17 @@ def test_gpu_backends_trace_without_graph_breaks_into_one_graph_per_kind_of_row(
         assert any("varlen_attn" in k for k in kernels), kernels
     if name != "varlen":
         assert any("flex_attention" in k for k in kernels), kernels
+
+
+def test_what_a_compiled_layer_is_handed_of_a_row_holds_no_python_sequence():
+    """A compiled decoder layer receives the tree plan; dynamo guards a tuple or list field of it on its length
+    (torch 2.11 did so for the layout's host offsets: a new graph for every segment count). Row-sized host
+    data therefore lives in tensors, whose sizes are dynamic."""
+    from agrpo_attention._tree_layout import TreeLayout
+    from agrpo_attention._tree_plan import TreePlan
+
+    for record in (TreeLayout, TreePlan):
+        hints = {f.name: str(f.type) for f in dataclasses.fields(record)}
+        sequences = {n: t for n, t in hints.items() if t.startswith(("tuple", "list", "Sequence"))}
+        assert not sequences, f"{record.__name__}: {sequences}"
+

@@ -20,6 +20,7 @@ def test_probe_reads_the_servers_limits_and_flags(vllm_server, server_config):
     assert info.model_name == vllm_server.model_name and info.max_model_len == vllm_server.max_model_len
     assert info.kv_cache_tokens > 0 and info.dtype == "torch.float32"
     assert info.max_logprobs == 20 and info.lora_max_loras == 4 and info.lora_max_rank == 8
+    assert info.watermark == 0.0, "--watermark (vLLM default 0) is read from /server_info"
     assert not info.scale_out and not info.return_sampling_mask and not info.uses_generate_endpoint
     assert info.initial_concurrency(8) == 8
     assert info.initial_concurrency(10**9) == info.kv_cache_tokens // info.max_model_len

@@ -10,6 +10,11 @@ as their bound. Reported per setting: generated tokens/s and preemptions over it
 server's own counters; see `workload.py`), rollouts finished, the cap's range and the server's mean
 running and waiting requests and KV usage. The check of issue 10: `goodput` reaches at least 0.95x the
 tokens/s of the best fixed cap, with at most a quarter of that cap's preemptions, on both servers.
+
+Issue 22 adds vLLM's own admission reserve: for each `--watermarks` value the same KV size is started again
+with `--watermark W` (blocks kept free when a waiting or preempted request is admitted while others run),
+and `goodput` and the fixed cap at the bound run there. Each is judged against the best fixed cap of the
+default server (watermark 0): the same 0.95x tokens/s with at most a quarter of its preemptions.
 """
 
 from __future__ import annotations
@@ -68,18 +73,31 @@ def mix_bound(points: list[tuple[float, float]], budget: float) -> float:
     return best
 
 
+def _best_fixed(by_name: dict[str, list[Window]]) -> str:
+    fixed = [n for n, ws in by_name.items() if ws[0].setting.control == "fixed"]
+    return max(fixed, key=lambda n: _rate(by_name[n]))
+
+
+def _judged(name: str, windows: list[Window], best: list[Window]) -> str:
+    """`windows` against the best fixed cap's: the tokens/s ratio (and per round) and the preemption budget."""
+    ratio = _rate(windows) / _rate(best)
+    budget = sum(w.preemptions for w in best) / 4
+    preemptions = sum(w.preemptions for w in windows)
+    rounds = ", ".join(f"{g.tokens_per_s / b.tokens_per_s:.2f}" for g, b in zip(windows, best, strict=True))
+    met = ratio >= 0.95 and preemptions <= budget
+    return (
+        f"{name}: {ratio:.2f}x its tokens/s (per round {rounds}), {preemptions} preemptions "
+        f"(allowed <= {budget:g}): {'met' if met else 'NOT met'}"
+    )
+
+
 def _verdict(by_name: dict[str, list[Window]]) -> str:
     """Issue 10's check, plus what bounds it: the best fixed cap within the preemption budget and the best
     time-mix of fixed caps (`mix_bound`), and the per-round ratios (their spread is the machine's noise)."""
     fixed = {n: ws for n, ws in by_name.items() if ws[0].setting.control == "fixed"}
-    best = max(fixed, key=lambda n: _rate(fixed[n]))
+    best = _best_fixed(by_name)
     goodput = next(n for n, ws in by_name.items() if ws[0].setting.control == "goodput")
-    ratio = _rate(by_name[goodput]) / _rate(fixed[best])
-    best_preemptions = sum(w.preemptions for w in fixed[best])
-    budget = best_preemptions / 4
-    preemptions = sum(w.preemptions for w in by_name[goodput])
-    met = ratio >= 0.95 and preemptions <= budget
-    rounds = [g.tokens_per_s / b.tokens_per_s for g, b in zip(by_name[goodput], fixed[best], strict=True)]
+    budget = sum(w.preemptions for w in fixed[best]) / 4
     within = {n: ws for n, ws in fixed.items() if sum(w.preemptions for w in ws) <= budget}
     best_within = max(within, key=lambda n: _rate(within[n]), default=None)
     points = [(float(sum(w.preemptions for w in ws)), _rate(ws)) for ws in fixed.values()]
@@ -90,15 +108,26 @@ def _verdict(by_name: dict[str, list[Window]]) -> str:
         else "none"
     )
     return (
-        f"best fixed: {best} ({_rate(fixed[best]):,.0f} tok/s, {best_preemptions} preemptions); goodput: "
-        f"{ratio:.2f}x its tokens/s (per round {', '.join(f'{r:.2f}' for r in rounds)}), {preemptions} "
-        f"preemptions (allowed <= {budget:g}): {'met' if met else 'NOT met'}\n"
+        f"best fixed: {best} ({_rate(fixed[best]):,.0f} tok/s, {sum(w.preemptions for w in fixed[best])} "
+        f"preemptions); {_judged('goodput', by_name[goodput], fixed[best])}\n"
         f"  best fixed cap within the preemption budget: {within_text}; the best time-mix of fixed caps within "
         f"it reaches {bound:.2f}x the best cap's tokens/s"
     )
 
 
-def _run_server(name: str, server: SizedServer, tokenizer, args: argparse.Namespace) -> None:
+def _against_default(
+    watermark: float, by_name: dict[str, list[Window]], default: dict[str, list[Window]]
+) -> str:
+    """Every setting run on a `--watermark` server, judged against the default server's best fixed cap."""
+    best = _best_fixed(default)
+    lines = [f"--watermark {watermark:g}, against the default server's {best}:"]
+    lines += [f"  {_judged(name, windows, default[best])}" for name, windows in by_name.items()]
+    return "\n".join(lines)
+
+
+def _run_server(
+    name: str, server: SizedServer, tokenizer, args: argparse.Namespace, settings: list[Setting]
+) -> dict[str, list[Window]]:
     """Every setting once per round, each round in a rotated order, so a change in the machine's load (or
     anything that drifts within a round) does not favour one setting."""
     by_name: dict[str, list[Window]] = {}
@@ -106,11 +135,11 @@ def _run_server(name: str, server: SizedServer, tokenizer, args: argparse.Namesp
         size = server.kv_cache_bytes or server.kv_cache_gib * 2**30
         print(f"\n### {name}: KV cache {size:,} bytes ({size // KV_BYTES_PER_TOKEN:,} tokens)\n", flush=True)
         for round_index in range(args.rounds):
-            settings = list(enumerate(_settings(args.caps)))
+            numbered = list(enumerate(settings))
             shift = (
-                round_index * len(settings) // args.rounds
+                round_index * len(numbered) // args.rounds
             )  # each round starts elsewhere: no position bias
-            for index, setting in settings[shift:] + settings[:shift]:
+            for index, setting in numbered[shift:] + numbered[:shift]:
                 window = measure(
                     server, tokenizer, setting, seconds=args.seconds, completion_tokens=args.completion_tokens,
                     prompt_words=args.prompt_words, num_generations=args.num_generations,
@@ -125,7 +154,7 @@ def _run_server(name: str, server: SizedServer, tokenizer, args: argparse.Namesp
     print("|---|---|---|---|---|---|---|")
     for setting_name, windows in by_name.items():
         print(_row(setting_name, windows))
-    print(f"\n{name}: {_verdict(by_name)}", flush=True)
+    return by_name
 
 
 def main() -> None:
@@ -143,6 +172,10 @@ def main() -> None:
     parser.add_argument(
         "--servers", nargs="+", default=["small-kv", "large-kv"], choices=["small-kv", "large-kv"]
     )
+    parser.add_argument(
+        "--watermarks", type=float, nargs="*", default=[0.05, 0.1, 0.2],
+        help="each also starts the server with --watermark W and runs goodput and the bound's fixed cap there",
+    )  # fmt: skip
     args = parser.parse_args()
     print(
         f"{datetime.date.today()}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
@@ -151,12 +184,25 @@ def main() -> None:
     model_dir = save_tiny_model(Path(tempfile.mkdtemp(prefix="agrpo-bench-concurrency-")))
     tokenizer = build_tokenizer()
     small = args.small_kv_requests * args.max_model_len * KV_BYTES_PER_TOKEN
-    servers = {
-        "small-kv": SizedServer(model_dir=model_dir, max_model_len=args.max_model_len, kv_cache_bytes=small),
-        "large-kv": SizedServer(model_dir=model_dir, max_model_len=args.max_model_len),
-    }
+    sizes = {"small-kv": small, "large-kv": 0}
+    bound = max(args.caps)
+    on_watermark = [
+        Setting(name=f"goodput (<= {bound})", control="goodput", cap=bound),
+        Setting(name=f"fixed {bound}", control="fixed", cap=bound),
+    ]
     for name in args.servers:
-        _run_server(name, servers[name], tokenizer, args)
+        server = SizedServer(
+            model_dir=model_dir, max_model_len=args.max_model_len, kv_cache_bytes=sizes[name]
+        )
+        default = _run_server(name, server, tokenizer, args, _settings(args.caps))
+        print(f"\n{name}: {_verdict(default)}", flush=True)
+        for watermark in args.watermarks:
+            server = SizedServer(
+                model_dir=model_dir, max_model_len=args.max_model_len, kv_cache_bytes=sizes[name],
+                watermark=watermark,
+            )  # fmt: skip
+            by_name = _run_server(f"{name}, --watermark {watermark:g}", server, tokenizer, args, on_watermark)
+            print(f"\n{name}: {_against_default(watermark, by_name, default)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -31,9 +31,13 @@ class SizedServer(VLLMServer):
 
     kv_cache_bytes: int = 0
     """`--kv-cache-memory-bytes`; 0 keeps the dev server's `kv_cache_gib`."""
+    watermark: float = 0.0
+    """`--watermark`: the fraction of KV blocks vLLM keeps free when it admits a waiting or preempted request
+    while others run (0, vLLM's default, admits whenever the request fits)."""
 
     def command(self, python):
         extra = ["--kv-cache-memory-bytes", str(self.kv_cache_bytes)] if self.kv_cache_bytes else []
+        extra += ["--watermark", str(self.watermark)] if self.watermark else []
         return [*VLLMServer.command(self, python), *extra]
 
     def _process_env(self) -> dict[str, str]:

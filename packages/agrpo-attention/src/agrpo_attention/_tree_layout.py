@@ -34,10 +34,6 @@ class TreeLayout:
     """(S + 1,) int32: segment s's path is `kv_index[kv_offsets[s]:kv_offsets[s+1]]`."""
     subtree_end: torch.Tensor
     """(N,) int64: end (exclusive) of the subtree of the segment owning each position."""
-    q_offsets_host: tuple[int, ...]
-    """`q_offsets` on the host."""
-    kv_offsets_host: tuple[int, ...]
-    """`kv_offsets` on the host."""
     max_q: int
     """Longest segment."""
     max_k: int
@@ -45,23 +41,31 @@ class TreeLayout:
     is_flat: bool
     """True when every segment is a root: nothing is shared and `kv_index` is the identity."""
     host_offsets: torch.Tensor
-    """(2, S + 1) int64 on the host: `q_offsets` and `kv_offsets`. A compiled graph hands it to the tree
-    attention custom op (`_attention_op.py`), which rebuilds the host-side fields from it without a device
-    sync and without the graph depending on the row's segment count."""
+    """(2, S + 1) int64 on the host: `q_offsets` and `kv_offsets`. The only host copy of the offsets, and a
+    tensor rather than tuples: a compiled decoder layer that is handed the layout then sees a tensor of
+    dynamic size, where tuple fields would be guarded on their length (one graph per segment count, seen
+    on the H200 with torch 2.11). The tree attention custom op (`_attention_op.py`) rebuilds the layout
+    from it without a device sync."""
+
+    @property
+    def q_offsets_host(self) -> tuple[int, ...]:
+        """`q_offsets` on the host (eager code only: backends' per-segment loops, `prepare`, FLOP counts)."""
+        return tuple(self.host_offsets[0].tolist())
+
+    @property
+    def kv_offsets_host(self) -> tuple[int, ...]:
+        """`kv_offsets` on the host (eager code only)."""
+        return tuple(self.host_offsets[1].tolist())
 
     @property
     def num_segments(self) -> int:
-        return len(self.q_offsets_host) - 1
+        return self.host_offsets.shape[1] - 1
 
     @property
     def score_pairs(self) -> int:
         """(query, key) pairs attention scores: sum over segments of Lq * Lk - Lq * (Lq - 1) / 2."""
-        total = 0
-        for s in range(self.num_segments):
-            lq = self.q_offsets_host[s + 1] - self.q_offsets_host[s]
-            lk = self.kv_offsets_host[s + 1] - self.kv_offsets_host[s]
-            total += lq * lk - lq * (lq - 1) // 2
-        return total
+        lq, lk = np.diff(self.host_offsets.numpy(), axis=1)
+        return int((lq * lk - lq * (lq - 1) // 2).sum())
 
 
 def segment_subtree_ends(segment_parent: np.ndarray) -> np.ndarray:
@@ -102,8 +106,6 @@ def build_tree_layout(
         kv_index=host_to_device(row.kv_index.to(torch.int64), device, non_blocking=non_blocking),
         kv_offsets=host_to_device(kv_offsets.astype(np.int32), device, non_blocking=non_blocking),
         subtree_end=host_to_device(subtree_end, device, non_blocking=non_blocking),
-        q_offsets_host=tuple(int(x) for x in q_offsets),
-        kv_offsets_host=tuple(int(x) for x in kv_offsets),
         max_q=int(seg_len.max(initial=0)),
         max_k=int(np.diff(kv_offsets).max(initial=0)),
         is_flat=bool((parents < 0).all()),
@@ -120,17 +122,13 @@ def layout_from_tensors(
 ) -> TreeLayout:
     """The layout whose tensors these are (the host fields recomputed from `host_offsets`): what the tree
     attention custom op sees of a `TreeLayout`, since a custom op takes tensors only."""
-    q_host, kv_host = (tuple(int(x) for x in row) for row in host_offsets.tolist())
-    seg_len = np.diff(np.asarray(q_host))
-    path_len = np.diff(np.asarray(kv_host))
+    seg_len, path_len = np.diff(host_offsets.numpy(), axis=1)
     return TreeLayout(
-        num_tokens=q_host[-1],
+        num_tokens=int(host_offsets[0, -1]),
         q_offsets=q_offsets,
         kv_index=kv_index,
         kv_offsets=kv_offsets,
         subtree_end=subtree_end,
-        q_offsets_host=q_host,
-        kv_offsets_host=kv_host,
         max_q=int(seg_len.max(initial=0)),
         max_k=int(path_len.max(initial=0)),
         is_flat=bool((seg_len == path_len).all()),  # a path no longer than its segment has no ancestor

@@ -8,7 +8,7 @@ What is read where:
 - `max_model_len` and the served names (LoRA adapters appear with a `parent`): `GET /v1/models`;
 - KV capacity: `kv_cache_size_tokens` of `vllm:cache_config_info` in `GET /metrics`, and the process's start
   time (`process_start_time_seconds`, its identity);
-- dtype, `--logprobs-mode`, `--max-logprobs`, `--return-sampling-mask`, LoRA limits:
+- dtype, `--logprobs-mode`, `--max-logprobs`, `--return-sampling-mask`, LoRA limits, `--watermark`:
   `GET /server_info?config_format=json` (only with `VLLM_SERVER_DEV_MODE=1`; unknown otherwise);
 - `--enable-scale-out`: `POST /inference/v1/generate` with an empty body answers 403 without it.
 """
@@ -57,6 +57,8 @@ class ServerInfo:
     """`--max-loras`, None when LoRA is off or unknown."""
     lora_max_rank: int | None
     """`--max-lora-rank`, None when LoRA is off or unknown."""
+    watermark: float | None = None
+    """`--watermark`: the fraction of KV blocks vLLM keeps free when it admits a waiting request; None: unknown."""
     started_at: float | None = None
     """When the server's API process started (`process_start_time_seconds` of `/metrics`); None: not exported."""
 
@@ -144,6 +146,11 @@ def _lora(config: dict[str, Any]) -> tuple[int | None, int | None]:
     return lora.get("max_loras"), lora.get("max_lora_rank")
 
 
+def _watermark(config: dict[str, Any]) -> float | None:
+    value = (config.get("scheduler_config") or {}).get("watermark")
+    return None if value is None else float(value)
+
+
 async def probe_server(client: Any, config: RolloutConfig) -> ServerInfo:
     """Read the facts of `ServerInfo` through `client.request(method, path, ...)`, then `check` them."""
     models = json_body(await client.request("GET", "/v1/models"))["data"]
@@ -172,6 +179,7 @@ async def probe_server(client: Any, config: RolloutConfig) -> ServerInfo:
         scale_out=probe.status_code in (400, 422),
         lora_max_loras=max_loras,
         lora_max_rank=max_rank,
+        watermark=_watermark(vllm_config) if isinstance(vllm_config, dict) else None,
         started_at=load.started_at if load is not None else None,
     )
     if not vllm_config:
