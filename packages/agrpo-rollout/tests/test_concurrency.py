@@ -164,6 +164,24 @@ def test_goodput_rule_tolerates_rare_preemptions_and_cache_resets_and_holds_an_u
     assert asyncio.run(go()) == (40, 80, 80, 80, 68)
 
 
+def test_on_a_server_with_a_watermark_goodput_cuts_only_on_constant_preemption():
+    """vLLM's `--watermark` keeps room for running requests to grow, so the preemptions a deep queue causes
+    there are the price of a busy server (0.1-0.5 per rollout at up to the best tokens/s, docs/benchmarks.md); one per
+    rollout is still thrashing."""
+
+    async def go(watermark):
+        controller = ConcurrencyController(bound=128, initial=128, watermark=watermark)
+        await _fill(controller)
+        await controller.observe(_load(running=12, waiting=100))
+        busy = await _reading(controller, completions=20, preemptions=8, running=12, waiting=100)  # 0.4 each
+        await _fill(controller)
+        thrashing = await _reading(controller, completions=20, preemptions=8 + 24, running=12, waiting=100)
+        return busy, thrashing
+
+    assert asyncio.run(go(0.1)) == (128, 108)
+    assert asyncio.run(go(0.0))[0] == 108, "without the server's reserve 0.4 per rollout is overload"
+
+
 @pytest.mark.parametrize("rule", ["kv_usage", "goodput"])
 def test_cap_rises_under_light_load_on_the_real_server(server_config, rule):
     """Polls the real `/metrics` while short requests complete; a tiny model never fills the KV cache."""

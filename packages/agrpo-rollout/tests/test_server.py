@@ -26,6 +26,19 @@ def test_probe_reads_the_servers_limits_and_flags(vllm_server, server_config):
     assert info.initial_concurrency(10**9) == info.kv_cache_tokens // info.max_model_len
 
 
+def test_a_kv_cache_smaller_than_the_bound_without_a_watermark_gets_the_flag_recommended(server_config):
+    info = _probe(server_config())
+    config = RolloutConfig(max_completion_length=16, max_concurrent_rollouts=64)
+    small = dataclasses.replace(info, kv_cache_tokens=4 * info.max_model_len)
+    (warning,) = small.check(config)
+    assert "holds 4 full-length requests" in warning and "--watermark 0.15" in warning, warning
+    assert small.initial_concurrency(64) == 4
+    reserving = dataclasses.replace(small, watermark=0.15)
+    assert reserving.check(config) == [] and reserving.initial_concurrency(64) == 64
+    assert dataclasses.replace(small, watermark=None).check(config) == [], "unknown: nothing to say"
+    assert info.check(config) == [], "a cache that holds the bound at full length needs no reserve"
+
+
 def test_missing_flags_are_named(server_config, caplog):
     with pytest.raises(ServerConfigError, match="--max-logprobs 25"):
         _probe(server_config(num_sampler_logprobs=25))

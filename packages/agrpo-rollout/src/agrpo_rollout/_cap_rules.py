@@ -29,6 +29,12 @@ least 3/4 of the requests that were running is a prefix-cache reset (a weight sy
 a large KV cache nothing preempts, and the cap (which starts at the full-length fit, there the
 bound) stays at the bound like a fixed cap. Measured against a sweep of fixed caps on small- and
 large-KV CPU servers: `tools/bench/concurrency`.
+
+On a server started with `--watermark` (vLLM keeps that fraction of KV blocks free when it admits a
+waiting request while others run) the admission reserve the rule stands in for is the server's own:
+the cap starts at the bound (`ServerInfo.initial_concurrency`) and only constant preemption
+(`PREEMPTIONS_PER_COMPLETION_RESERVED`) cuts it. That is the configuration the start-up check recommends
+for a KV cache that holds fewer full-length requests than the bound.
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ class CapState(Protocol):
     bound: int
     in_flight: int
     cut_pending: bool
+    watermark: float
+    """The server's `--watermark` (KV blocks it keeps free when admitting a waiting request); 0: none or unknown."""
 
 
 class CapRule(Protocol):
@@ -101,6 +109,12 @@ class GoodputRule:
     PREEMPTIONS_PER_COMPLETION = 0.2
     """Preemptions a reading may show per rollout completed since the previous one before it counts as
     overload (a preempted request recomputes its prefix: cheap once in a while, thrashing when constant)."""
+    PREEMPTIONS_PER_COMPLETION_RESERVED = 1.0
+    """The same on a server started with `--watermark`: its admission keeps room for running requests to
+    grow, so a deep queue there is what keeps it busy, and only constant preemption (one per rollout) is
+    overload. Measured on a small-KV CPU server (`tools/bench/concurrency`, docs/benchmarks.md): at
+    `--watermark 0.1`-`0.2` the bound's 128 requests preempted 0.1-0.5 times per rollout, at 0.8-1.0x the
+    tokens/s of the fastest fixed cap on the server without the reserve."""
     BINDING = 0.75
     """A cap counts as limiting when at least this fraction of it is in flight; otherwise raising it
     changes nothing now and would release a burst later."""
@@ -124,7 +138,9 @@ class GoodputRule:
         preempted = load.preemptions_total - previous.preemptions_total
         quiet_before, self.preempted_before = self.preempted_before == 0, preempted
         cache_reset = quiet_before and preempted >= max(2, 0.75 * previous.running_requests)
-        if preempted > self.PREEMPTIONS_PER_COMPLETION * completed and not cache_reset:
+        reserved = controller.watermark > 0
+        limit = self.PREEMPTIONS_PER_COMPLETION_RESERVED if reserved else self.PREEMPTIONS_PER_COMPLETION
+        if preempted > limit * completed and not cache_reset:
             self.saturated, self.completed_since_change = True, 0
             return max(1, int(cap * self.CUT_FACTOR))
         self.saturated = self.saturated or load.waiting_requests > 0

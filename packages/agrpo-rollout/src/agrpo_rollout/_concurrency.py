@@ -30,12 +30,16 @@ logger = logging.getLogger("agrpo_rollout")
 class ConcurrencyController:
     """Slots for rollouts, `cap` of them at a time; `observe` and `release` move the cap by `rule`."""
 
-    def __init__(self, bound: int, initial: int | None = None, *, rule: str = "goodput") -> None:
+    def __init__(
+        self, bound: int, initial: int | None = None, *, rule: str = "goodput", watermark: float = 0.0
+    ) -> None:
         if bound < 1:
             raise ValueError(f"bound={bound}; max_concurrent_rollouts must be >= 1")
         if rule not in CAP_RULES:
             raise ValueError(f"rule={rule!r}; use one of {sorted(CAP_RULES)}")
         self.bound = bound
+        self.watermark = watermark
+        """The server's `--watermark` (`ServerInfo.watermark`; 0 when none or unknown), read by the rules."""
         self.rule: CapRule | None = None if initial is None else CAP_RULES[rule]()
         self.cap = bound if initial is None else max(1, min(bound, initial))
         self.in_flight = 0

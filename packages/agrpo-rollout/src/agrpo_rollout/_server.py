@@ -25,6 +25,10 @@ from ._server_load import ServerLoad
 
 logger = logging.getLogger("agrpo_rollout")
 
+RECOMMENDED_WATERMARK = 0.15
+"""`--watermark` the start-up check recommends for a KV cache that holds fewer full-length requests than the
+concurrency bound (measured: `tools/bench/concurrency`, docs/benchmarks.md, issue 22)."""
+
 GENERATE_PATH = "/inference/v1/generate"
 COMPLETIONS_PATH = "/v1/completions"
 
@@ -68,8 +72,9 @@ class ServerInfo:
         return self.scale_out and self.return_sampling_mask
 
     def initial_concurrency(self, bound: int) -> int:
-        """Requests that fit at full length (`KV tokens // max_model_len`), within [1, bound]."""
-        if not self.kv_cache_tokens:
+        """Requests that fit at full length (`KV tokens // max_model_len`), within [1, bound]; the bound on a
+        server with `--watermark`, whose own admission keeps room for running requests to grow."""
+        if not self.kv_cache_tokens or self.watermark:
             return bound
         return max(1, min(bound, self.kv_cache_tokens // self.max_model_len))
 
@@ -120,6 +125,17 @@ class ServerInfo:
             warnings.append(
                 f"the server runs with --logprobs-mode {self.logprobs_mode}: sampler log-probs ignore temperature "
                 "and penalties, so importance ratios are biased; restart it with --logprobs-mode processed_logprobs"
+            )
+        fits = self.kv_cache_tokens // self.max_model_len if self.kv_cache_tokens else None
+        if self.watermark == 0.0 and fits is not None and fits < config.max_concurrent_rollouts:
+            warnings.append(
+                f"{self.base_url}'s KV cache holds {fits} full-length requests, fewer than max_concurrent_rollouts="
+                f"{config.max_concurrent_rollouts}, and it runs without --watermark: vLLM then admits a waiting "
+                "request whenever its prompt fits, leaving running requests no room to grow, so they preempt each "
+                f"other and the client must hold its concurrency low. Restart it with --watermark "
+                f"{RECOMMENDED_WATERMARK:g}: it keeps that share of the cache free for growth, and the concurrency "
+                "rule then feeds it up to the bound (measured on a small-KV CPU server: the tokens/s of the "
+                "fastest fixed cap on the default server with a fifth of its preemptions; docs/benchmarks.md)"
             )
         if config.max_completion_length >= self.max_model_len:
             warnings.append(
@@ -189,5 +205,10 @@ async def probe_server(client: Any, config: RolloutConfig) -> ServerInfo:
             client.base_url,
         )
     for warning in server.check(config):
-        logger.warning(warning)
+        if (client.base_url, warning) not in _WARNED:  # once per process: a loop per window, a restart
+            _WARNED.add((client.base_url, warning))
+            logger.warning(warning)
     return server
+
+
+_WARNED: set[tuple[str, str]] = set()

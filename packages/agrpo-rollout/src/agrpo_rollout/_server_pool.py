@@ -63,7 +63,8 @@ class ServerPool:
             rule = "goodput" if control == "fixed" else control
             servers.append(
                 PooledServer(
-                    index, client, ConcurrencyController(bound, initial, rule=rule), changed=changed,
+                    index, client, ConcurrencyController(bound, initial, rule=rule, watermark=info.watermark or 0.0),
+                    changed=changed,
                     policy_version=policy_version, on_event=on_event, started_at=info.started_at,
                 )
             )  # fmt: skip
