@@ -38,7 +38,10 @@ def _hook(phase: str) -> None:
 
     def reloading(self, weights_path):
         if phase == "during-reload" and _state["version"] == KILL_VERSION:
-            threading.Timer(0.02, _die).start()  # the request is on its way when the process dies
+            request = threading.Thread(target=reload, args=(self, weights_path), daemon=True)
+            request.start()
+            request.join(0.02)  # on its way, or just answered: either way the version is not labelled yet
+            _die()
         reload(self, weights_path)
 
     def labelled(self, version):

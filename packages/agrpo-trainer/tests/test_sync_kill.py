@@ -80,7 +80,15 @@ def test_without_a_rollout_process_the_next_start_up_settles_it_and_a_mixed_sync
     )
     entry = {"phase": "pausing", "version": 7, "backend": "disk", "servers": [training_server.url],
              "pid": int(dead.stdout)}  # fmt: skip
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
+        control.pause("keep", False)
+        journal.write_text(json.dumps({**entry, "pid": sleeper.pid}))
+        assert settle_interrupted_sync(journal) == [] and control.is_paused(), "a live trainer is left alone"
+        # its rollout process saw it die: the sentinel closes before /proc shows a zombie, so it says so
+        (line,) = settle_interrupted_sync(journal, dead_pid=sleeper.pid)
+        assert "resumed" in line and not control.is_paused() and not journal.exists()
+
         control.pause("keep", False)
         journal.write_text(json.dumps(entry))
         assert control.is_paused()
@@ -97,5 +105,6 @@ def test_without_a_rollout_process_the_next_start_up_settles_it_and_a_mixed_sync
         )
         assert control.is_paused() and journal.exists(), "weights that may mix two versions are not resumed"
     finally:
+        sleeper.kill()
         control.resume()
     assert _completes(training_server.url, training_server.served_name)

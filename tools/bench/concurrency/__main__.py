@@ -78,16 +78,19 @@ def _best_fixed(by_name: dict[str, list[Window]]) -> str:
     return max(fixed, key=lambda n: _rate(by_name[n]))
 
 
-def _judged(name: str, windows: list[Window], best: list[Window]) -> str:
+def _judged(name: str, windows: list[Window], best: list[Window], *, same_server: bool = False) -> str:
     """`windows` against the best fixed cap's: the tokens/s ratio (and per round) and the preemption budget."""
     ratio = _rate(windows) / _rate(best)
     budget = sum(w.preemptions for w in best) / 4
     preemptions = sum(w.preemptions for w in windows)
     rounds = ", ".join(f"{g.tokens_per_s / b.tokens_per_s:.2f}" for g, b in zip(windows, best, strict=True))
     met = ratio >= 0.95 and preemptions <= budget
+    caps = {c for w in windows for c in w.caps} | {float(w.setting.cap) for w in windows if not w.caps}
+    same = same_server and caps == {float(best[0].setting.cap)}  # the best cap all along: one setting, twice
     return (
         f"{name}: {ratio:.2f}x its tokens/s (per round {rounds}), {preemptions} preemptions "
         f"(allowed <= {budget:g}): {'met' if met else 'NOT met'}"
+        + (" (its cap equalled that fixed cap throughout: the ratio is the machine's noise)" if same else "")
     )
 
 
@@ -109,7 +112,7 @@ def _verdict(by_name: dict[str, list[Window]]) -> str:
     )
     return (
         f"best fixed: {best} ({_rate(fixed[best]):,.0f} tok/s, {sum(w.preemptions for w in fixed[best])} "
-        f"preemptions); {_judged('goodput', by_name[goodput], fixed[best])}\n"
+        f"preemptions); {_judged('goodput', by_name[goodput], fixed[best], same_server=True)}\n"
         f"  best fixed cap within the preemption budget: {within_text}; the best time-mix of fixed caps within "
         f"it reaches {bound:.2f}x the best cap's tokens/s"
     )

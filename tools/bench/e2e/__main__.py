@@ -4,7 +4,9 @@ Run: `uv run python -m tools.bench.e2e [--steps 20] [--hidden-size 256 --layers 
 server, one tiny untied Qwen3-style model, the same trainer settings twice, side by side in one run:
 - sync: `LockstepRolloutLoop` generates one step's samples, then waits until they are trained and synced,
   so generate -> train -> sync alternate (a synchronous GRPO trainer);
-- async: the default loop, `max_staleness` versions ahead.
+- async: the default loop, `max_staleness` versions ahead;
+- with `--unheld`, async once more with the producer not held at `max_staleness` (the trainer before
+  `DispatchHold`), for the samples generated and then dropped stale that the hold saves.
 Reported per optimizer step, as means over the steps after the first two (async steps are bursty, so a
 median would flatter it): wall time; in the sync run also its parts, generation (the trainer's wait for
 samples) and training + sync (the rest), whose max and sum are the bounds the async time is compared with
@@ -19,12 +21,14 @@ separate devices of a real deployment. `--no-pin` measures the contended machine
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import statistics
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import psutil
 import torch
@@ -72,8 +76,9 @@ def _pin_server(server: VLLMServer) -> None:
 
 
 def _run(
-    url: str, model_dir: Path, steps: int, *, lockstep: bool, groups: int, generations: int, pin: bool
-) -> dict:
+    url: str, model_dir: Path, steps: int, *, lockstep: bool, groups: int, generations: int, pin: bool,
+    held: bool = True,
+) -> dict:  # fmt: skip
     from agrpo_trainer import AsyncGRPOTrainer
 
     cls = LockstepTrainer if lockstep else AsyncGRPOTrainer
@@ -82,8 +87,10 @@ def _run(
     trainer.remove_callback(PrinterCallback)  # one line per step of every metric: not what this prints
     if pin:
         trainer.add_callback(_PinRolloutProcess(trainer))
+    unheld = mock.patch("agrpo_trainer._trainer.DispatchHold.for_run", return_value=None)
     start = time.monotonic()
-    trainer.train()
+    with contextlib.nullcontext() if held else unheld:  # unheld: the producer runs ahead as the queues allow
+        trainer.train()
     total = time.monotonic() - start
     logs = [h for h in trainer.state.log_history if "perf/step_s" in h][2:]
     step = [h["perf/step_s"] for h in logs]
@@ -99,6 +106,7 @@ def _run(
         "sync_s": _mean(logs, "perf/weight_sync_s"),
         "generated_tok_s": _mean(logs, "rollout/generated_tok_s"),
         "dropped_stale": sum(h.get("sample/dropped_stale_total", 0) for h in logs),
+        "wasted_token_frac": logs[-1].get("sample/wasted_token_frac", float("nan")) if logs else float("nan"),
     }
 
 
@@ -115,6 +123,10 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=2, help="groups per optimizer step")
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--unheld", action="store_true",
+        help="also run async with the producer not held at max_staleness (the trainer before DispatchHold)",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="agrpo-e2e-"))
@@ -131,14 +143,20 @@ def main() -> None:
         shape = {"groups": args.groups, "generations": args.generations, "pin": args.pin}
         sync = _run(server.url, model_dir, args.steps, lockstep=True, **shape)
         asynchronous = _run(server.url, model_dir, args.steps, lockstep=False, **shape)
+        runs = {"sync": sync, "async": asynchronous}
+        if args.unheld:
+            runs["async unheld"] = _run(
+                server.url, model_dir, args.steps, lockstep=False, held=False, **shape
+            )
     bound_max = max(sync["generate_s"], sync["train_s"])
     bound_sum = sync["generate_s"] + sync["train_s"]
-    for name, r in (("sync", sync), ("async", asynchronous)):
+    for name, r in runs.items():
         print(f"{name:5s}: {r['step_s']:.3f} s/step (mean), {r['total_s']:.1f} s total, "
               f"{r['samples_per_step']:.0f} samples/step; generate {r['generate_s']:.3f} s, rest {r['train_s']:.3f} s; "
               f"packing hidden behind forward+backward {r['pack_overlap']:.0%}")  # fmt: skip
         print(f"       forward+backward {r['fwd_bwd_s']:.3f} s, weight sync {r['sync_s']:.3f} s, generated "
-              f"{r['generated_tok_s']:.0f} tok/s, {r['dropped_stale']:.0f} samples dropped stale")  # fmt: skip
+              f"{r['generated_tok_s']:.0f} tok/s, {r['dropped_stale']:.0f} samples dropped stale, wasted "
+              f"tokens per trained token {r['wasted_token_frac']:.3f}")  # fmt: skip
     print(f"sync parts: generate {sync['generate_s']:.3f} s + train/sync {sync['train_s']:.3f} s = {bound_sum:.3f} s; "
           f"max = {bound_max:.3f} s")  # fmt: skip
     print(f"ratio async / sync wall time per step: {asynchronous['step_s'] / sync['step_s']:.2f} "

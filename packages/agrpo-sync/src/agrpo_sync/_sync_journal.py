@@ -88,12 +88,17 @@ class SyncJournal:
         self.path.unlink(missing_ok=True)
 
 
-def settle_interrupted_sync(path: Path, *, timeout_s: float = 300.0) -> list[str]:
+def settle_interrupted_sync(
+    path: Path, *, timeout_s: float = 300.0, dead_pid: int | None = None
+) -> list[str]:
     """Resume the servers a killed trainer's sync left paused wherever their weights are one whole version, and
-    say on stderr which stay paused and why. Returns what it did, one line per server (empty: nothing to do)."""
+    say on stderr which stay paused and why. Returns what it did, one line per server (empty: nothing to do).
+    `dead_pid`: a process the caller saw die (its parent's sentinel closed); a journal it wrote is settled at
+    once, since the kernel closes a killed process's files before `/proc` shows it as a zombie."""
     journal = SyncJournal(path)
     entry = journal.read()
-    if entry is None or (entry.pid != os.getpid() and _is_alive(entry.pid)):
+    writer_alive = entry is not None and entry.pid not in (os.getpid(), dead_pid) and _is_alive(entry.pid)
+    if entry is None or writer_alive:
         return []
     lines, held = [], False
     for url in entry.servers:

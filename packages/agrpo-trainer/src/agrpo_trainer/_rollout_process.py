@@ -26,6 +26,7 @@ import multiprocessing.connection
 import os
 import pickle
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -101,10 +102,14 @@ async def _run_loop(loop: Any, ch: _Channels, sync_journal: str | None = None) -
         event_loop.call_soon_threadsafe(main.cancel)
 
     def watch_parent() -> None:  # a trainer killed with SIGKILL never calls stop(): do not outlive it
-        mp.connection.wait([mp.parent_process().sentinel])
+        parent = mp.parent_process()
+        mp.connection.wait([parent.sentinel])
         if sync_journal:  # nobody else would resume a server its sync left paused
-            with contextlib.suppress(Exception):
-                settle_interrupted_sync(Path(sync_journal))
+            try:
+                settle_interrupted_sync(Path(sync_journal), dead_pid=parent.pid)
+            except Exception as error:  # noqa: BLE001 - the process ends either way: say why, never silently
+                print(f"agrpo-rollout: could not settle the killed trainer's sync ({sync_journal}): {error!r}",
+                      file=sys.stderr, flush=True)  # fmt: skip
         ch.stop.set()
 
     threading.Thread(target=watch_stop, daemon=True, name="agrpo-rollout-stop").start()
