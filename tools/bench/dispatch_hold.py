@@ -28,13 +28,17 @@ from agrpo_trainer._demo import PROMPTS, demo_config
 from agrpo_trainer.rewards import CharacterFractionReward
 
 
+def producer_unheld():
+    """The trainer before `DispatchHold` (the producer runs ahead as far as the queues allow), as a context."""
+    return mock.patch("agrpo_trainer._trainer.DispatchHold.for_run", return_value=None)
+
+
 def _run(url: str, model_dir: Path, steps: int, *, held: bool) -> dict[str, float]:
     args = demo_config(tempfile.mkdtemp(), url, steps)
     args.disable_tqdm = True
     trainer = AsyncGRPOTrainer(str(model_dir), CharacterFractionReward(), args=args, train_dataset=PROMPTS)
     trainer.remove_callback(PrinterCallback)  # one line per step of every metric: not what this prints
-    unheld = mock.patch("agrpo_trainer._trainer.DispatchHold.for_run", return_value=None)
-    with contextlib.nullcontext() if held else unheld:
+    with contextlib.nullcontext() if held else producer_unheld():
         trainer.train()
     logs = [h for h in trainer.state.log_history if "perf/step_s" in h][2:]
     dropped = sum(h.get("sample/dropped_stale_total", 0) for h in logs)

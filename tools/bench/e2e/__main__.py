@@ -28,7 +28,6 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from unittest import mock
 
 import psutil
 import torch
@@ -37,6 +36,7 @@ from transformers.trainer_callback import PrinterCallback, TrainerCallback
 from agrpo_attention.testing import TinyModelSpec, save_tiny_model
 from agrpo_rollout.testing import VLLMServer
 from agrpo_trainer.rewards import CharacterFractionReward
+from tools.bench.dispatch_hold import producer_unheld
 from tools.bench.e2e.lockstep import LockstepConfig, LockstepTrainer
 
 GENERATION_CORE, TRAINING_CORE = 0, 1
@@ -87,9 +87,8 @@ def _run(
     trainer.remove_callback(PrinterCallback)  # one line per step of every metric: not what this prints
     if pin:
         trainer.add_callback(_PinRolloutProcess(trainer))
-    unheld = mock.patch("agrpo_trainer._trainer.DispatchHold.for_run", return_value=None)
     start = time.monotonic()
-    with contextlib.nullcontext() if held else unheld:  # unheld: the producer runs ahead as the queues allow
+    with contextlib.nullcontext() if held else producer_unheld():
         trainer.train()
     total = time.monotonic() - start
     logs = [h for h in trainer.state.log_history if "perf/step_s" in h][2:]
@@ -106,7 +105,7 @@ def _run(
         "sync_s": _mean(logs, "perf/weight_sync_s"),
         "generated_tok_s": _mean(logs, "rollout/generated_tok_s"),
         "dropped_stale": sum(h.get("sample/dropped_stale_total", 0) for h in logs),
-        "wasted_token_frac": logs[-1].get("sample/wasted_token_frac", float("nan")) if logs else float("nan"),
+        "wasted_token_frac": logs[-1].get("sample/wasted_token_frac", float("nan")),
     }
 
 

@@ -29,6 +29,10 @@ RECOMMENDED_WATERMARK = 0.15
 """`--watermark` the start-up check recommends for a KV cache that holds fewer full-length requests than the
 concurrency bound (measured: `tools/bench/concurrency`, docs/benchmarks.md, issue 22)."""
 
+_WARNED: set[tuple[str, str]] = set()
+"""(server, warning) pairs already logged by `probe_server`: each once per process, however often a server is
+probed (a loop per benchmark window, a restarted server)."""
+
 GENERATE_PATH = "/inference/v1/generate"
 COMPLETIONS_PATH = "/v1/completions"
 
@@ -71,12 +75,17 @@ class ServerInfo:
         """Sampling masks come only from the token-in/token-out route, with both flags on."""
         return self.scale_out and self.return_sampling_mask
 
+    @property
+    def full_length_requests(self) -> int | None:
+        """Requests the KV cache holds at `max_model_len` each; None when its size is unknown."""
+        return self.kv_cache_tokens // self.max_model_len if self.kv_cache_tokens else None
+
     def initial_concurrency(self, bound: int) -> int:
-        """Requests that fit at full length (`KV tokens // max_model_len`), within [1, bound]; the bound on a
-        server with `--watermark`, whose own admission keeps room for running requests to grow."""
-        if not self.kv_cache_tokens or self.watermark:
+        """Requests that fit at full length, within [1, bound]; the bound on a server with `--watermark`,
+        whose own admission keeps room for running requests to grow."""
+        if self.full_length_requests is None or self.watermark:
             return bound
-        return max(1, min(bound, self.kv_cache_tokens // self.max_model_len))
+        return max(1, min(bound, self.full_length_requests))
 
     def _check_candidate_sets(self, config: RolloutConfig) -> None:
         """Without sampling masks, top-k/top-p/min-p sets are read from processed top log-probs
@@ -126,7 +135,7 @@ class ServerInfo:
                 f"the server runs with --logprobs-mode {self.logprobs_mode}: sampler log-probs ignore temperature "
                 "and penalties, so importance ratios are biased; restart it with --logprobs-mode processed_logprobs"
             )
-        fits = self.kv_cache_tokens // self.max_model_len if self.kv_cache_tokens else None
+        fits = self.full_length_requests
         if self.watermark == 0.0 and fits is not None and fits < config.max_concurrent_rollouts:
             warnings.append(
                 f"{self.base_url}'s KV cache holds {fits} full-length requests, fewer than max_concurrent_rollouts="
@@ -205,10 +214,7 @@ async def probe_server(client: Any, config: RolloutConfig) -> ServerInfo:
             client.base_url,
         )
     for warning in server.check(config):
-        if (client.base_url, warning) not in _WARNED:  # once per process: a loop per window, a restart
+        if (client.base_url, warning) not in _WARNED:
             _WARNED.add((client.base_url, warning))
             logger.warning(warning)
     return server
-
-
-_WARNED: set[tuple[str, str]] = set()

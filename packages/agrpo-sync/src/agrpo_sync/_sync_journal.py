@@ -97,8 +97,7 @@ def settle_interrupted_sync(
     once, since the kernel closes a killed process's files before `/proc` shows it as a zombie."""
     journal = SyncJournal(path)
     entry = journal.read()
-    writer_alive = entry is not None and entry.pid not in (os.getpid(), dead_pid) and _is_alive(entry.pid)
-    if entry is None or writer_alive:
+    if entry is None or (entry.pid not in (os.getpid(), dead_pid) and _is_alive(entry.pid)):
         return []
     lines, held = [], False
     for url in entry.servers:
