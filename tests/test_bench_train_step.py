@@ -38,7 +38,10 @@ def test_the_bench_runs_compiled_layer_regions_with_parity_and_recompile_counts(
     report = json.loads(out.read_text())
     first = report["results"][0]
     assert first["compile"] is True and first["checkpointing"] == "selective"
-    assert first["parity"]["loss_rel_diff"] < 1e-2 and first["parity"]["grad_cosine"] > 0.999
+    parity = first["parity"]
+    assert parity["loss_rel_diff"] < 1e-2 and parity["grad_cosine"] > 0.999
+    # judged against an fp32 reference: bf16 rounding moves both amp sides, compilation must not add to it
+    assert 0 < parity["grad_err_eager"] < 0.5 and parity["passed"], parity
     (setup,) = report["setups"]
     assert setup["graphs"] == 1 and setup["graph_breaks"] == 0
     assert setup["recompile"]["new_graphs"] == 0  # a plain row after the tree rows: the same graph

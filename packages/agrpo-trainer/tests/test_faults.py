@@ -110,9 +110,11 @@ def test_a_run_through_network_reward_and_tool_faults_trains_every_kept_sample_o
     assert totals["rollout/vllm_retry_total"] > 0 and totals["rollout/rewards_nonfinite_total"] > 0
     assert totals["rollout/prompt_too_long_total"] == 4 and totals["tools/unknown_name_total"] > 0
     assert totals["tools/explode/failure_total"] > 0 and totals["tools/stall/failure_total"] > 0
-    context = trainer.processing_class.decode(recorder.steps[0][0].input_ids)
-    assert "RuntimeError: the tool failed: disk" in context and "unknown tool 'no_such_tool'" in context
-    assert "did not return within 1 s" in context
+    # a rollout whose re-rendered history drifts from its sampled tokens forks: its first sample ends at the
+    # tool calls, the tools' answers are in the next one; some trained sample holds each tool's failure
+    contexts = [trainer.processing_class.decode(s.input_ids) for step in recorder.steps for s in step]
+    for failure in ("RuntimeError: the tool failed: disk", "unknown tool 'no_such_tool'", "did not return within 1 s"):
+        assert any(failure in context for context in contexts), failure
     steps = trainer.state.log_history[:-1]
     assert steps and all("sync/logprob_max_abs_diff" in h for h in steps), (
         "the probe ran after its failed try"

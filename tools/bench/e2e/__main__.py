@@ -4,7 +4,7 @@ Run: `uv run python -m tools.bench.e2e [--steps 20] [--hidden-size 256 --layers 
 server, one tiny untied Qwen3-style model, the same trainer settings twice, side by side in one run:
 - sync: `LockstepRolloutLoop` generates one step's samples, then waits until they are trained and synced,
   so generate -> train -> sync alternate (a synchronous GRPO trainer);
-- async: the default loop, `max_staleness` versions ahead;
+- async: the default loop, `max_staleness` versions ahead (`--max-staleness`, default 4);
 - with `--unheld`, async once more with the producer not held at `max_staleness` (the trainer before
   `DispatchHold`), for the samples generated and then dropped stale that the hold saves.
 Reported per optimizer step, as means over the steps after the first two (async steps are bursty, so a
@@ -46,14 +46,14 @@ PROMPTS = [
 
 
 def _config(
-    output_dir: str, url: str, steps: int, *, lockstep: bool, groups: int, generations: int
+    output_dir: str, url: str, steps: int, *, lockstep: bool, groups: int, generations: int, max_staleness: int
 ) -> LockstepConfig:
     return LockstepConfig(
         output_dir=output_dir, vllm_server_base_url=url, weight_sync_backend="disk", bf16=False, use_cpu=True,
         activation_checkpointing=False, learning_rate=1e-3, num_generations=generations, max_completion_length=32,
         per_device_train_batch_size=groups * generations, token_budget=0, max_steps=steps, save_strategy="no",
         report_to="none", disable_tqdm=True, sync_parity_probe_tokens=0, samples_per_step=groups * generations,
-        max_concurrent_rollouts=groups * generations, max_staleness=10_000 if lockstep else 4,
+        max_concurrent_rollouts=groups * generations, max_staleness=10_000 if lockstep else max_staleness,
         queue_maxsize=groups * generations,  # async: generation blocks one step ahead instead of going stale
     )  # fmt: skip
 
@@ -77,12 +77,13 @@ def _pin_server(server: VLLMServer) -> None:
 
 def _run(
     url: str, model_dir: Path, steps: int, *, lockstep: bool, groups: int, generations: int, pin: bool,
-    held: bool = True,
+    max_staleness: int, held: bool = True,
 ) -> dict:  # fmt: skip
     from agrpo_trainer import AsyncGRPOTrainer
 
     cls = LockstepTrainer if lockstep else AsyncGRPOTrainer
-    args = _config(tempfile.mkdtemp(), url, steps, lockstep=lockstep, groups=groups, generations=generations)
+    args = _config(tempfile.mkdtemp(), url, steps, lockstep=lockstep, groups=groups, generations=generations,
+                   max_staleness=max_staleness)  # fmt: skip
     trainer = cls(str(model_dir), CharacterFractionReward(), args=args, train_dataset=PROMPTS)
     trainer.remove_callback(PrinterCallback)  # one line per step of every metric: not what this prints
     if pin:
@@ -122,6 +123,7 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=2, help="groups per optimizer step")
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--max-staleness", type=int, default=4, help="the async runs' max_staleness")
     parser.add_argument(
         "--unheld", action="store_true",
         help="also run async with the producer not held at max_staleness (the trainer before DispatchHold)",
@@ -134,12 +136,14 @@ def main() -> None:
     model_dir = save_tiny_model(work / "model", spec)
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch threads 1; "
           f"model hidden {args.hidden_size} x {args.layers} layers; {args.groups} groups x {args.generations} "
-          f"rollouts x <= 32 tokens per step; {args.steps} steps; pinned: {args.pin}", flush=True)  # fmt: skip
+          f"rollouts x <= 32 tokens per step; {args.steps} steps; async max_staleness {args.max_staleness}; "
+          f"pinned: {args.pin}", flush=True)  # fmt: skip
     with VLLMServer(model_dir=model_dir, max_model_len=1024) as server:
         if args.pin:
             _pin_server(server)
             os.sched_setaffinity(0, {TRAINING_CORE})
-        shape = {"groups": args.groups, "generations": args.generations, "pin": args.pin}
+        shape = {"groups": args.groups, "generations": args.generations, "pin": args.pin,
+                 "max_staleness": args.max_staleness}  # fmt: skip
         sync = _run(server.url, model_dir, args.steps, lockstep=True, **shape)
         asynchronous = _run(server.url, model_dir, args.steps, lockstep=False, **shape)
         runs = {"sync": sync, "async": asynchronous}

@@ -37,6 +37,7 @@ from agrpo_attention import build_tree_plan, enable_tree_attention
 
 from ..tree_attention.measure import PEAK_TFLOPS, step_flops
 from ..tree_attention.model_shapes import SHAPES, build_random_model
+from .compile_summary import parity_line
 from .data import grpo_samples
 from .delta_rule import delta_rule_seconds
 from .regions import AutoHooks, LayerSetup, apply, cast_seconds, graph_counts, parity
@@ -214,9 +215,7 @@ def _report_ratio(name: str, setup: LayerSetup, ratio: float, pair: dict) -> dic
         print(f"  tree/plain MFU {out['tree_over_plain_mfu']:.3f}x  tree speedup {speedup:.2f}x", flush=True)
     if "parity" in pair:
         p = out["parity"] = pair["parity"]
-        print(f"  parity vs eager regions: loss {p['loss']:.6g} vs {p['loss_eager']:.6g} (rel {p['loss_rel_diff']:.2e}), "
-              f"grad rel diff {p['grad_rel_diff']:.2e} (worst parameter {p['grad_rel_diff_worst_param']:.2e}), "
-              f"cosine {p['grad_cosine']:.6f}", flush=True)  # fmt: skip
+        print(f"  parity vs eager regions: {parity_line(p)}", flush=True)
     return out
 
 

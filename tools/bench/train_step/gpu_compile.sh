@@ -20,14 +20,8 @@
 #  then a summary of the targets from the JSON files (compile_summary.py).
 # BENCH_EXTRA="--tiny" runs every step on CPU with tiny shapes (a smoke test of this script's commands).
 set -o pipefail
-OUT=${OUT:-/tmp/gpu_compile}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TOKENIZERS_PARALLELISM=false
-if [ -z "${SITE:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  SITE=/tmp/site
-fi
-P=packages
-export PYTHONPATH=${SITE:+$SITE:}$P/agrpo-packing/src:$P/agrpo-attention/src:$P/agrpo-rollout/src:$P/agrpo-sync/src:$P/agrpo-trainer/src:.
+OUT=${OUT:-/tmp/gpu_compile}
+source tools/bench/train_step/gpu_env.sh
 PY=${PY:-python3}
 bench="$PY -m tools.bench.train_step ${BENCH_EXTRA:-}"
 START=$(date +%s); BUDGET=${BUDGET:-510}

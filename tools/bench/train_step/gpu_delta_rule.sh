@@ -14,14 +14,8 @@
 #     fastest launch table that passed parity (delta_rule_launch): step time, MFU, tree/plain MFU, and the
 #     delta rule's and the convolution's shares of the step.
 set -o pipefail
-OUT=${OUT:-/tmp/gpu_delta_rule}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TOKENIZERS_PARALLELISM=false
-if [ -z "${SITE:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  SITE=/tmp/site
-fi
-P=packages
-export PYTHONPATH=${SITE:+$SITE:}$P/agrpo-packing/src:$P/agrpo-attention/src:$P/agrpo-rollout/src:$P/agrpo-sync/src:$P/agrpo-trainer/src:.
+OUT=${OUT:-/tmp/gpu_delta_rule}
+source tools/bench/train_step/gpu_env.sh
 kernels="python3 -m tools.bench.train_step.delta_rule_kernels"
 { nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$OUT/gpu.txt"

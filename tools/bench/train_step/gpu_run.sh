@@ -4,10 +4,7 @@
 # 1. 1.7B amp + checkpointing, fused LM head, GPU idle with the rows prefetched and sequentially (--idle);
 # 2. the same with the LM head unfused; 3. the Gated DeltaNet hybrid shape (PyTorch delta rule), 2 prompts.
 set -o pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TOKENIZERS_PARALLELISM=false
-PKG=${PKG:-packages}  # another checkout's packages/ may be measured instead
-export PYTHONPATH=${SITE:+$SITE:}$PKG/agrpo-packing/src:$PKG/agrpo-attention/src:$PKG/agrpo-rollout/src:$PKG/agrpo-sync/src:$PKG/agrpo-trainer/src:.
+source tools/bench/train_step/gpu_env.sh
 bench="python3 -m tools.bench.train_step"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 timeout ${T1:-270} $bench --models qwen3-1.7b --prompts ${PROMPTS:-4} --checkpointing on --idle \

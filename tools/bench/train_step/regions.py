@@ -24,6 +24,8 @@ from agrpo_trainer._device_row import prepare_device_row
 from agrpo_trainer._layer_region import LayerRegions, RegionSettings
 from agrpo_trainer._step import micro_batch_loss
 
+from .compile_summary import PARITY_SLACK
+
 STOCK_MODES = ("on", "off")
 """transformers' gradient checkpointing on/off, layers as the model defines them (no regions)."""
 REGION_MODES = ("full", "selective", "none", "auto")
@@ -119,27 +121,66 @@ def _loss_and_grads(model, rows: list[PackedRow], settings, *, amp: bool) -> tup
     return total, grads
 
 
+@contextlib.contextmanager
+def _fp32_matmuls():
+    """Full fp32 matmuls (no TF32) for the reference step, restored afterwards."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def _grad_distance(grads: list[torch.Tensor], reference: list[torch.Tensor]) -> tuple[float, float, float]:
+    """(relative L2 distance over all parameters, the worst parameter's, cosine) of `grads` to `reference`."""
+    diff = torch.stack([(g.float() - r.float()).norm() for g, r in zip(grads, reference, strict=True)])
+    norms = torch.stack([r.float().norm() for r in reference])
+    dot = sum(float((g.float() * r.float()).sum()) for g, r in zip(grads, reference, strict=True))
+    own = float(torch.stack([g.float().norm() for g in grads]).norm())
+    return (
+        float(diff.norm() / norms.norm()),
+        float((diff / norms.clamp_min(1e-12)).max()),
+        dot / max(own * float(norms.norm()), 1e-30),
+    )
+
+
 def parity(
     model, rows: list[PackedRow], setup: LayerSetup, regions: LayerRegions, step_settings, *, amp: bool
 ) -> dict:
-    """This setup's step (loss and gradients over `rows`) against the same regions run eagerly: relative loss
-    difference, relative gradient difference (over all parameters, and the worst parameter), cosine."""
+    """This setup's step (loss and gradients over `rows`, one backward each, before any optimizer step) against
+    the same regions run eagerly, and, under amp, both against an fp32 eager reference without autocast or TF32.
+
+    Compiled against eager alone cannot judge compilation under amp: a GRPO gradient is a difference of large
+    per-sample terms (centered advantages), so bf16 rounding, or the order of atomic adds in one kernel, moves it
+    by tens of percent between two eager runs. What compilation must not do is take the step further from the
+    exact gradient than eager bf16 does: `grad_err_ratio` (compiled's distance to fp32 over eager's) near 1,
+    `passed` when it is at most `PARITY_SLACK`. In fp32 runs the eager regions are the reference."""
     loss_c, grads_c = _loss_and_grads(model, rows, step_settings, amp=amp)
     regions.uninstall()
     eager = LayerRegions(replace(setup, compile=False, checkpointing=regions.mode).settings()).install(model)
     loss_e, grads_e = _loss_and_grads(model, rows, step_settings, amp=amp)
+    if amp:
+        with _fp32_matmuls():
+            loss_r, grads_r = _loss_and_grads(model, rows, step_settings, amp=False)
     eager.uninstall()
     regions.install(model)
-    diff = torch.stack([(c.float() - e.float()).norm() for c, e in zip(grads_c, grads_e, strict=True)])
-    norms = torch.stack([e.float().norm() for e in grads_e])
-    dot = sum(float((c.float() * e.float()).sum()) for c, e in zip(grads_c, grads_e, strict=True))
-    total_c = float(torch.stack([c.float().norm() for c in grads_c]).norm())
-    return {
+    rel, worst, cosine = _grad_distance(grads_c, grads_e)
+    out = {
         "loss": loss_c, "loss_eager": loss_e, "loss_rel_diff": abs(loss_c - loss_e) / max(abs(loss_e), 1e-12),
-        "grad_rel_diff": float(diff.norm() / norms.norm()),
-        "grad_rel_diff_worst_param": float((diff / norms.clamp_min(1e-12)).max()),
-        "grad_cosine": dot / max(total_c * float(norms.norm()), 1e-30),
+        "grad_rel_diff": rel, "grad_rel_diff_worst_param": worst, "grad_cosine": cosine,
     }  # fmt: skip
+    if not amp:
+        out["passed"] = rel <= 1e-3
+        return out
+    err_c, _, cos_c = _grad_distance(grads_c, grads_r)
+    err_e, _, cos_e = _grad_distance(grads_e, grads_r)
+    ratio = err_c / max(err_e, 1e-12)
+    out.update(
+        loss_fp32=loss_r, grad_err_compiled=err_c, grad_err_eager=err_e, grad_cosine_compiled_fp32=cos_c,
+        grad_cosine_eager_fp32=cos_e, grad_err_ratio=ratio, passed=ratio <= PARITY_SLACK,
+    )  # fmt: skip
+    return out
 
 
 def cast_seconds(model: torch.nn.Module, repeats: int = 5) -> dict:
