@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 from agrpo_attention import build_tree_plan, enable_tree_attention
 
 from ..tree_attention.measure import PEAK_TFLOPS, step_flops
-from ..tree_attention.model_shapes import build_random_model
+from ..tree_attention.model_shapes import build_random_model, stock_checkpointing
 from .data import grpo_samples
 from .step import plan_batches, timed_step
 
@@ -97,7 +97,7 @@ def _model(args, rank: int, world: int):
     model = build_random_model(args.model, args.layers, device, dtype)
     enable_tree_attention(model, args.backend)
     if args.checkpointing == "on":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        stock_checkpointing(model, True)
     if world > 1:
         _shard(model, args.precision == "amp")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.curve_lr, fused=cuda)

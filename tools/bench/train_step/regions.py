@@ -24,6 +24,7 @@ from agrpo_trainer._device_row import prepare_device_row
 from agrpo_trainer._layer_region import LayerRegions, RegionSettings
 from agrpo_trainer._step import micro_batch_loss
 
+from ..tree_attention.model_shapes import stock_checkpointing
 from .compile_summary import PARITY_SLACK
 
 STOCK_MODES = ("on", "off")
@@ -69,12 +70,9 @@ def apply(model: torch.nn.Module, setup: LayerSetup, previous: LayerRegions | No
     if setup.checkpointing in STOCK_MODES:
         if setup.compile:
             raise ValueError("--compile on needs a regions mode (full, selective, none, auto), not on/off")
-        if setup.checkpointing == "on":
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_disable()
+        stock_checkpointing(model, setup.checkpointing == "on")
         return None
-    model.gradient_checkpointing_disable()
+    stock_checkpointing(model, False)
     return LayerRegions(setup.settings()).install(model)
 
 

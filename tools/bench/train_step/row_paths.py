@@ -17,7 +17,7 @@ import torch
 
 from agrpo_attention import enable_tree_attention
 
-from ..tree_attention.model_shapes import build_random_model
+from ..tree_attention.model_shapes import build_random_model, stock_checkpointing
 from .data import grpo_samples
 from .step import ROW_PATHS, plan_rows, timed_step
 
@@ -36,7 +36,7 @@ def main() -> None:
     budget = 256 if args.tiny else args.budget
     model = build_random_model(name, None, device, torch.float32)
     enable_tree_attention(model, "reference" if args.tiny else "auto")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    stock_checkpointing(model, True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7, fused=device == "cuda")
     print(
         f"row paths on {torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}, {name}, amp, checkpointing on"

@@ -67,3 +67,16 @@ def build_random_model(name: str, num_layers: int | None, device: str, dtype: to
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.train()
+
+
+def stock_checkpointing(model, on: bool) -> None:
+    """transformers' own activation checkpointing on or off (non-reentrant), by the name this transformers has:
+    `activation_checkpointing_*` since the rename (the old names warn), `gradient_checkpointing_*` before it
+    (the H200 machine's 5.17)."""
+    new = hasattr(model, "activation_checkpointing_enable")
+    if not on:
+        (model.activation_checkpointing_disable if new else model.gradient_checkpointing_disable)()
+    elif new:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
