@@ -17,6 +17,8 @@ from pathlib import Path
 PARITY_SLACK = 1.5
 """Under amp, compiled regions pass parity when their gradients are at most this many times as far from the
 fp32 reference as the eager regions' own bf16 rounding puts them."""
+FP32_PARITY = 1e-3
+"""Without amp the eager regions are the reference: compiled gradients pass within this relative L2 distance."""
 
 
 def parity_line(p: dict) -> str:

@@ -25,7 +25,7 @@ from agrpo_trainer._layer_region import LayerRegions, RegionSettings
 from agrpo_trainer._step import micro_batch_loss
 
 from ..tree_attention.model_shapes import stock_checkpointing
-from .compile_summary import PARITY_SLACK
+from .compile_summary import FP32_PARITY, PARITY_SLACK
 
 STOCK_MODES = ("on", "off")
 """transformers' gradient checkpointing on/off, layers as the model defines them (no regions)."""
@@ -153,7 +153,7 @@ def parity(
     per-sample terms (centered advantages), so bf16 rounding, or the order of atomic adds in one kernel, moves it
     by tens of percent between two eager runs. What compilation must not do is take the step further from the
     exact gradient than eager bf16 does: `grad_err_ratio` (compiled's distance to fp32 over eager's) near 1,
-    `passed` when it is at most `PARITY_SLACK`. In fp32 runs the eager regions are the reference."""
+    `passed` when it is at most `PARITY_SLACK`. In fp32 runs the eager regions are the reference (`FP32_PARITY`)."""
     loss_c, grads_c = _loss_and_grads(model, rows, step_settings, amp=amp)
     regions.uninstall()
     eager = LayerRegions(replace(setup, compile=False, checkpointing=regions.mode).settings()).install(model)
@@ -169,7 +169,7 @@ def parity(
         "grad_rel_diff": rel, "grad_rel_diff_worst_param": worst, "grad_cosine": cosine,
     }  # fmt: skip
     if not amp:
-        out["passed"] = rel <= 1e-3
+        out["passed"] = rel <= FP32_PARITY
         return out
     err_c, _, cos_c = _grad_distance(grads_c, grads_r)
     err_e, _, cos_e = _grad_distance(grads_e, grads_r)
