@@ -12,6 +12,7 @@ KILL is where the process SIGKILLs itself (`none` runs to the end of the epoch):
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import re
@@ -30,6 +31,9 @@ PROMPTS = [
     for i in range(NUM_PROMPTS)
 ]
 _ITEM = re.compile(r"item (\d+)\.")
+# Here and in the spawned rollout process (which imports this module): SIGUSR1 prints every thread's stack to
+# the log, so a worker that outlives its killed trainer shows where it waits.
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def dropped(item: int) -> bool:

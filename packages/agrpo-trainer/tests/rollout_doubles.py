@@ -184,3 +184,11 @@ class ToolCallingLoop(AsyncRolloutLoop):
 
 class ToolCallingTrainer(AsyncGRPOTrainer):
     loop_cls = ToolCallingLoop
+
+
+def put_and_flush(channel: Any, stop: Any, size: int) -> None:
+    """A rollout worker's exit in miniature, run in a spawned process: queue `size` bytes, then flush."""
+    from agrpo_trainer._rollout_process import _flush
+
+    channel.put(b"x" * size)
+    _flush(channel, stop)

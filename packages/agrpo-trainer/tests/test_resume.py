@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -40,10 +41,19 @@ def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def _assert_worker_exits(steps: list[dict]) -> None:
-    """The killed trainer's rollout process notices its parent is gone and exits by itself."""
-    if steps and psutil.pid_exists(steps[-1]["worker_pid"]):
-        psutil.Process(steps[-1]["worker_pid"]).wait(timeout=30)  # raises if it keeps running
+def _assert_worker_exits(steps: list[dict], log: Path) -> None:
+    """The killed trainer's rollout process notices its parent is gone and exits by itself (else its threads'
+    stacks, dumped by `resume_run`'s SIGUSR1 handler, are the failure message)."""
+    if not steps or not psutil.pid_exists(steps[-1]["worker_pid"]):
+        return
+    worker = psutil.Process(steps[-1]["worker_pid"])
+    try:
+        worker.wait(timeout=30)
+    except psutil.TimeoutExpired:
+        worker.send_signal(signal.SIGUSR1)
+        time.sleep(3)
+        worker.kill()
+        pytest.fail(f"the rollout process outlived its killed trainer by 30 s:\n{log.read_text()[-8000:]}")
 
 
 @pytest.mark.server
@@ -66,7 +76,7 @@ def test_a_run_killed_at_three_points_trains_every_prompt_exactly_once(
             assert code == -signal.SIGKILL and lines[-1].get("killed") == kill, (
                 f"{kill} never reached:\n{log}"
             )
-            _assert_worker_exits(steps)
+            _assert_worker_exits(steps, out.parent / f"{record.stem}.log")
             until = int(get_last_checkpoint(str(out)).rsplit("-", 1)[1])
         assert [s["step"] for s in steps] == list(range(resumed_from + 1, resumed_from + 1 + len(steps))), log
         survived += [(run, s["step"], s["items"]) for s in steps if s["step"] <= until]

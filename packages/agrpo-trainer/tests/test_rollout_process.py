@@ -4,6 +4,7 @@ traceback or exit code, and train() leaves no child process behind either way.""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import threading
@@ -12,7 +13,7 @@ import time
 import psutil
 import pytest
 from datasets import Dataset
-from rollout_doubles import BlockingLoop, EnvironmentReportingLoop, exploding_reward
+from rollout_doubles import BlockingLoop, EnvironmentReportingLoop, exploding_reward, put_and_flush
 
 from agrpo_trainer import AsyncGRPOConfig, AsyncGRPOTrainer, RolloutWorkerError
 from agrpo_trainer.rewards import CharacterFractionReward
@@ -134,3 +135,26 @@ def test_the_worker_sees_no_gpu_and_no_distributed_rank(
     assert "'CUDA_VISIBLE_DEVICES': ''" in str(error)
     assert "'MASTER_PORT': None" in str(error) and "'TORCHELASTIC_RUN_ID': None" in str(error)
     assert os.environ["MASTER_PORT"] == "29999"  # the parent's own environment is untouched
+
+
+def test_a_worker_flushes_its_queues_at_exit_only_while_its_trainer_listens():
+    """A worker's exit hands what is queued to the pipe, but gives up once `stop` is set: multiprocessing
+    joins a queue's feeder without a limit, and a feeder blocked on a full pipe whose reader was SIGKILLed
+    never returns (a killed run's worker outlived its trainer that way, in test_resume under load)."""
+    ctx = multiprocessing.get_context("spawn")
+    for trainer_reads in (True, False):
+        channel, stop = ctx.Queue(), ctx.Event()
+        worker = ctx.Process(target=put_and_flush, args=(channel, stop, 1 << 20), daemon=True)
+        worker.start()  # it queues more than a pipe holds
+        try:
+            if trainer_reads:
+                assert len(channel.get(timeout=60)) == 1 << 20
+            else:
+                worker.join(2.0)
+                assert worker.is_alive()  # waiting for a reader, as a worker whose trainer is busy must
+                stop.set()  # what `watch_parent` does once the trainer is gone
+            worker.join(30)
+            assert worker.exitcode == 0, f"trainer reads: {trainer_reads}, exit code {worker.exitcode}"
+        finally:
+            worker.kill()
+            channel.close()

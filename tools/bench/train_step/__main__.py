@@ -60,17 +60,27 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--compile", default="off", help="comma list of on/off: compile each layer's region")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the regions")
     parser.add_argument("--compile-mode", default=None, help="torch.compile mode of the regions")
-    parser.add_argument("--cast-weights", default="on", help="comma list of on/off: bf16 weights cast once per step")
+    parser.add_argument(
+        "--cast-weights",
+        default="on",
+        help="comma list of on/off: eager layers' bf16 weights cast once per step (compiled ones cast in-graph)",
+    )
     parser.add_argument("--kinds", default="tree,plain", help="rows to run: tree and/or plain")
     parser.add_argument("--cast-probe", action="store_true", help="time one bf16 cast of the layers' weights")
-    parser.add_argument("--parity", action="store_true", help="per setup: loss and gradients against eager regions")
+    parser.add_argument(
+        "--parity", action="store_true", help="per setup: loss and gradients against eager regions"
+    )
     parser.add_argument(
         "--recompile-steps", type=int, default=0, help="per setup: N more steps of fresh rows, graphs counted"
     )
-    parser.add_argument("--precision", default=None, choices=["amp", "bf16"], help="default amp (bf16 with --tiny)")
+    parser.add_argument(
+        "--precision", default=None, choices=["amp", "bf16"], help="default amp (bf16 with --tiny)"
+    )
     parser.add_argument("--backend", default="auto", help="agrpo-attention backend")
     parser.add_argument(
-        "--deltanet-kernel", default="auto", help="hybrids' delta rule: auto, triton, torch or fla (agrpo-attention)"
+        "--deltanet-kernel",
+        default="auto",
+        help="hybrids' delta rule: auto, triton, torch or fla (agrpo-attention)",
     )
     parser.add_argument("--steps", type=int, default=2, help="timed optimizer steps (median) after a warm-up")
     parser.add_argument(
@@ -216,6 +226,9 @@ def _report_ratio(name: str, setup: LayerSetup, ratio: float, pair: dict) -> dic
     if "parity" in pair:
         p = out["parity"] = pair["parity"]
         print(f"  parity vs eager regions: {parity_line(p)}", flush=True)
+        if "grad_err_by_layer" in p:
+            print("  distance to fp32 by layer (compiled/eager): " + ", ".join(
+                f"{i}: {c:.2e}/{e:.2e}" for i, (c, e) in p["grad_err_by_layer"].items()), flush=True)  # fmt: skip
     return out
 
 
@@ -243,7 +256,9 @@ def _recompile_steps(model, optimizer, args, vocab: int) -> dict:
 def _write_json(args, device_name: str, results: list, setups: list) -> None:
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": device_name, "args": vars(args), "results": results, "setups": setups}, f, indent=1)
+            json.dump(
+                {"device": device_name, "args": vars(args), "results": results, "setups": setups}, f, indent=1
+            )
 
 
 def main() -> None:
@@ -268,7 +283,9 @@ def main() -> None:
                 results.append(_report_ratio(name, setup, ratio, pair))
                 _write_json(args, device_name, results, setups_out)  # as it goes: a time limit keeps what ran
             counts = {k: v - before[k] for k, v in graph_counts().items()}
-            print(f"  {setup.label}: {counts['graphs']} graphs compiled, {counts['graph_breaks']} graph breaks")
+            print(
+                f"  {setup.label}: {counts['graphs']} graphs compiled, {counts['graph_breaks']} graph breaks"
+            )
             summary = dict(model=name, setup=setup.label, **counts)
             if args.recompile_steps:
                 summary["recompile"] = _recompile_steps(model, optimizer, args, model.config.vocab_size)

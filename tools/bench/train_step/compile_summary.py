@@ -25,13 +25,24 @@ def parity_line(p: dict) -> str:
     """One printed line of `parity`'s result (the bench and `compile_summary.py` print the same)."""
     line = (
         f"loss {p['loss']:.6g} vs eager {p['loss_eager']:.6g} (rel {p['loss_rel_diff']:.2e}), grad rel diff "
-        f"{p['grad_rel_diff']:.2e} (worst parameter {p['grad_rel_diff_worst_param']:.2e}, cosine {p['grad_cosine']:.6f})"
+        f"{p['grad_rel_diff']:.2e} (worst parameter {p['grad_rel_diff_worst_param']:.2e}"
     )
+    if "grad_worst_param" in p:
+        line += f" {p['grad_worst_param']}"
+    line += f", cosine {p['grad_cosine']:.6f}"
+    if "grad_norm_ratio" in p:
+        line += f", norm ratio {p['grad_norm_ratio']:.3f}"
+    line += ")"
     if "grad_err_ratio" in p:
         line += (
             f"; against fp32: compiled {p['grad_err_compiled']:.2e}, eager {p['grad_err_eager']:.2e} "
             f"(ratio {p['grad_err_ratio']:.2f}, limit {PARITY_SLACK})"
         )
+        if "grad_norm_ratio_compiled_fp32" in p:
+            line += (
+                f", gradient norm over fp32's: compiled {p['grad_norm_ratio_compiled_fp32']:.3f}, "
+                f"eager {p['grad_norm_ratio_eager_fp32']:.3f}"
+            )
     return line + {True: ": PASS", False: ": FAIL"}.get(p.get("passed"), "")
 
 

@@ -15,30 +15,16 @@
 #  C. compiled, checkpointing auto (1.7B fits without: expect "none"), the choice logged, GPU idle and the busy
 #     time by kernel kind for every row (--idle inline);
 #  D. 4B amp compiled selective, ratio 1, 2 prompts;
-#  F. compiled selective without the cast once, ratio 1 tree (against A's ratio-1 tree row);
 #  G. compiled full checkpointing, ratio 1;
 #  then a summary of the targets from the JSON files (compile_summary.py).
 # BENCH_EXTRA="--tiny" runs every step on CPU with tiny shapes (a smoke test of this script's commands).
 set -o pipefail
 OUT=${OUT:-/tmp/gpu_compile}
 source tools/bench/train_step/gpu_env.sh
-PY=${PY:-python3}
-bench="$PY -m tools.bench.train_step ${BENCH_EXTRA:-}"
-START=$(date +%s); BUDGET=${BUDGET:-510}
+BUDGET=${BUDGET:-510}
 { nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
   $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
   git log -1 --format='commit %h %cd' 2>/dev/null; date -u; } | tee "$OUT/gpu.txt"
-
-step() {  # step NAME LIMIT_S ARGS...: one bench run under min(LIMIT_S, what is left), its log and JSON in $OUT
-  local name=$1 limit=$2; shift 2
-  local left=$((BUDGET - ($(date +%s) - START)))
-  if [ "$left" -lt 40 ]; then echo "== $name skipped: ${left}s left" | tee -a "$OUT/skipped.txt"; return; fi
-  [ "$limit" -gt "$left" ] && limit=$left
-  echo "== $name (limit ${limit}s): $*" | tee "$OUT/$name.log"
-  TORCH_LOGS=${TORCH_LOGS_STEP:-recompiles} timeout --kill-after=10 "$limit" $bench "$@" --json "$OUT/$name.json" 2>&1 \
-    | grep -v '^DEBUG' | tee -a "$OUT/$name.log"
-  echo "== $name exit ${PIPESTATUS[0]} after $(($(date +%s) - START))s" | tee -a "$OUT/$name.log"
-}
 
 common="--models qwen3-1.7b --prompts 4 --precision amp"
 step A_compiled_selective 210 $common --compile on --checkpointing selective --ratios 1,3.4,8 --parity \
@@ -49,8 +35,6 @@ step E_weight_cast_eager 50 $common --compile off --checkpointing full --cast-we
 step C_compiled_auto 110 $common --compile on --checkpointing auto --ratios 1,3.4,8 --idle inline
 step D_4b_compiled_selective 85 --models qwen3-4b --prompts 2 --precision amp --compile on \
   --checkpointing selective --ratios 1
-step F_weight_cast_compiled 70 $common --compile on --checkpointing selective --cast-weights off --ratios 1 \
-  --kinds tree
 step G_compiled_full 60 $common --compile on --checkpointing full --ratios 1
 $PY -m tools.bench.train_step.compile_summary "$OUT" 2>&1 | tee "$OUT/summary.txt"
 echo "total $(($(date +%s) - START))s"

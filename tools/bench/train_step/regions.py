@@ -13,6 +13,7 @@ Does not know timing or reporting.
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from dataclasses import dataclass, replace
 
@@ -100,7 +101,9 @@ class AutoHooks:
         return self.choice.regions.mode
 
 
-def _loss_and_grads(model, rows: list[PackedRow], settings, *, amp: bool) -> tuple[float, list[torch.Tensor]]:
+def _loss_and_grads(
+    model, rows: list[PackedRow], settings, *, amp: bool
+) -> tuple[float, dict[str, torch.Tensor]]:
     device = next(model.parameters()).device
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if amp else contextlib.nullcontext()
     model.zero_grad(set_to_none=True)
@@ -114,7 +117,7 @@ def _loss_and_grads(model, rows: list[PackedRow], settings, *, amp: bool) -> tup
             )  # fmt: skip
         loss.backward()
         total += float(loss.detach())
-    grads = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return total, grads
 
@@ -130,17 +133,29 @@ def _fp32_matmuls():
         torch.set_float32_matmul_precision(before)
 
 
-def _grad_distance(grads: list[torch.Tensor], reference: list[torch.Tensor]) -> tuple[float, float, float]:
-    """(relative L2 distance over all parameters, the worst parameter's, cosine) of `grads` to `reference`."""
-    diff = torch.stack([(g.float() - r.float()).norm() for g, r in zip(grads, reference, strict=True)])
-    norms = torch.stack([r.float().norm() for r in reference])
-    dot = sum(float((g.float() * r.float()).sum()) for g, r in zip(grads, reference, strict=True))
-    own = float(torch.stack([g.float().norm() for g in grads]).norm())
-    return (
-        float(diff.norm() / norms.norm()),
-        float((diff / norms.clamp_min(1e-12)).max()),
-        dot / max(own * float(norms.norm()), 1e-30),
-    )
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def _layer(grads: dict[str, torch.Tensor], index: int) -> dict[str, torch.Tensor]:
+    return {n: g for n, g in grads.items() if (m := _LAYER.search(n)) and int(m.group(1)) == index}
+
+
+def _grad_distance(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> dict:
+    """How far `grads` are from `reference`: relative L2 distance over all parameters, the worst parameter's
+    (and its name), cosine, and the norm ratio (a scale error shows as a ratio off 1 at a cosine near 1)."""
+    names = list(reference)
+    g = [grads[n].float() for n in names]
+    r = [reference[n].float() for n in names]
+    diff = torch.stack([(a - b).norm() for a, b in zip(g, r, strict=True)])
+    norms = torch.stack([b.norm() for b in r])
+    own = float(torch.stack([a.norm() for a in g]).norm())
+    dot = sum(float((a * b).sum()) for a, b in zip(g, r, strict=True))
+    per_param = diff / norms.clamp_min(1e-12)
+    worst = int(per_param.argmax())
+    return {
+        "rel": float(diff.norm() / norms.norm()), "worst": float(per_param[worst]), "worst_name": names[worst],
+        "cosine": dot / max(own * float(norms.norm()), 1e-30), "norm_ratio": own / max(float(norms.norm()), 1e-30),
+    }  # fmt: skip
 
 
 def parity(
@@ -163,20 +178,28 @@ def parity(
             loss_r, grads_r = _loss_and_grads(model, rows, step_settings, amp=False)
     eager.uninstall()
     regions.install(model)
-    rel, worst, cosine = _grad_distance(grads_c, grads_e)
+    d = _grad_distance(grads_c, grads_e)
     out = {
         "loss": loss_c, "loss_eager": loss_e, "loss_rel_diff": abs(loss_c - loss_e) / max(abs(loss_e), 1e-12),
-        "grad_rel_diff": rel, "grad_rel_diff_worst_param": worst, "grad_cosine": cosine,
+        "grad_rel_diff": d["rel"], "grad_rel_diff_worst_param": d["worst"], "grad_worst_param": d["worst_name"],
+        "grad_cosine": d["cosine"], "grad_norm_ratio": d["norm_ratio"],
     }  # fmt: skip
     if not amp:
-        out["passed"] = rel <= FP32_PARITY
+        out["passed"] = d["rel"] <= FP32_PARITY
         return out
-    err_c, _, cos_c = _grad_distance(grads_c, grads_r)
-    err_e, _, cos_e = _grad_distance(grads_e, grads_r)
-    ratio = err_c / max(err_e, 1e-12)
+    c, e = _grad_distance(grads_c, grads_r), _grad_distance(grads_e, grads_r)
+    layers = sorted({int(m.group(1)) for m in map(_LAYER.search, grads_r) if m})
+    out["grad_err_by_layer"] = {  # where the error starts: per decoder layer, compiled's and eager's
+        index: (_grad_distance(_layer(grads_c, index), _layer(grads_r, index))["rel"],
+                _grad_distance(_layer(grads_e, index), _layer(grads_r, index))["rel"])
+        for index in layers
+    }  # fmt: skip
+    ratio = c["rel"] / max(e["rel"], 1e-12)
     out.update(
-        loss_fp32=loss_r, grad_err_compiled=err_c, grad_err_eager=err_e, grad_cosine_compiled_fp32=cos_c,
-        grad_cosine_eager_fp32=cos_e, grad_err_ratio=ratio, passed=ratio <= PARITY_SLACK,
+        loss_fp32=loss_r, grad_err_compiled=c["rel"], grad_err_eager=e["rel"], grad_cosine_compiled_fp32=c["cosine"],
+        grad_cosine_eager_fp32=e["cosine"], grad_norm_ratio_compiled_fp32=c["norm_ratio"],
+        grad_norm_ratio_eager_fp32=e["norm_ratio"], grad_worst_param_fp32=c["worst_name"], grad_err_ratio=ratio,
+        passed=ratio <= PARITY_SLACK,
     )  # fmt: skip
     return out
 

@@ -4,7 +4,7 @@ Owns what happens around a decoder layer of the policy, applied from outside the
 applies compile and activation checkpointing (the model's code is unchanged; parameter names and the
 state dict too). `install` replaces each layer's `forward` on the instance with a `LayerRegion`, which
 on a training forward (1) takes the layer's bf16 matmul weights from `WeightCast` (cast once per
-optimizer step) when autocast runs over fp32 weights, (2) runs the layer through `torch.func.
+optimizer step) when autocast runs over fp32 weights and the layer runs eagerly, (2) runs the layer through `torch.func.
 functional_call` with those weights, checkpointed as the current mode says (`_activation_checkpointing`),
 and (3) with `compile` does all of that inside one `torch.compile`d function per mode, shared by every
 layer (regional compilation: the first layer's compile serves the others; backend and mode from
@@ -58,7 +58,10 @@ class RegionSettings:
     checkpointing: str = "auto"
     """"auto", "full", "selective" or "none"."""
     cast_weights: bool = True
-    """Under autocast over fp32 weights, cast the layers' matmul weights once per optimizer step."""
+    """Under autocast over fp32 weights, cast the eager layers' matmul weights once per optimizer step. Compiled
+    layers cast inside their graph: handed the cast copies, a compiled region's gradients were 2x as far from an
+    fp32 step as eager bf16's on the H200 (4 layers; 3.8x over 28, norm off by a quarter), with inductor and
+    aot_eager alike, while casting in the graph matched eager and ran as fast (docs/benchmarks.md)."""
 
 
 class _LayerCall(torch.nn.Module):
@@ -118,7 +121,9 @@ class LayerRegion:
         self.context_fn = selective_context_fn(mlp_weight_shapes(layer))
 
     def _weights(self, device: torch.device) -> dict[str, torch.Tensor]:
-        if not (self.regions.settings.cast_weights and self.names and torch.is_autocast_enabled(device.type)):
+        if self.compiled or not (
+            self.regions.settings.cast_weights and self.names and torch.is_autocast_enabled(device.type)
+        ):
             return {}
         dtype = torch.get_autocast_dtype(device.type)
         cast = self.regions.cast.weights(self.runner.layer, self.names, dtype)
@@ -252,9 +257,10 @@ class LayerRegions:
 
 
 COMPILE_BY_DEFAULT = False
-"""Off until compiled regions are measured not to recompile per row and to match eager's gradients on the GPU:
-on the first H200 run new segment counts recompiled the region (0.70x eager at packing ratio 8), and the bench's
-gradient check could not tell (it reads 0.18 relative even for eager against eager; docs/benchmarks.md)."""
+"""Off until a whole training run (LoRA and hybrid models too) has run compiled on the GPU. What kept it off
+before is measured fixed on one H200 (2026-12-04, docs/benchmarks.md): rows no longer recompile per segment
+count, and compiled gradients lie as close to an fp32 step as eager bf16's once compiled layers stopped taking
+the weights cast once."""
 
 
 def default_torch_compile(*, use_cpu: bool, fsdp: bool, named: bool) -> bool:

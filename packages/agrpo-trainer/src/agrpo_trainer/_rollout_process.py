@@ -99,7 +99,8 @@ async def _run_loop(loop: Any, ch: _Channels, sync_journal: str | None = None) -
         # expecting its acknowledgement, and the trainer's `set()` would then block forever.
         while not ch.stop.is_set():
             time.sleep(0.1)
-        event_loop.call_soon_threadsafe(main.cancel)
+        with contextlib.suppress(RuntimeError):  # the loop already ended (and closed): nothing to cancel
+            event_loop.call_soon_threadsafe(main.cancel)
 
     def watch_parent() -> None:  # a trainer killed with SIGKILL never calls stop(): do not outlive it
         parent = mp.parent_process()
@@ -164,22 +165,36 @@ def warn_cpu_rewards(reward_funcs: list) -> None:
         )
 
 
+def _flush(channel: Any, stop: Any) -> None:
+    """Let `channel`'s feeder thread hand what is queued to the pipe (data in a pipe outlives its writer), but
+    only while `stop` is unset. multiprocessing would otherwise join the feeder at exit without a limit, and a
+    feeder blocked on a full pipe whose reader was SIGKILLed never returns: the worker would outlive its
+    trainer (`watch_parent` sets `stop` once the trainer is gone)."""
+    channel.close()
+    feeder = threading.Thread(target=channel.join_thread, daemon=True, name="agrpo-rollout-flush")
+    feeder.start()
+    while feeder.is_alive() and not stop.is_set():
+        feeder.join(0.1)
+    channel.cancel_join_thread()
+
+
 def _child_main(payload: bytes, ch: _Channels) -> None:
     """Entry point of the spawned process."""
+    code, channels = 0, (ch.samples, ch.events)
     try:
         handoff = pickle.loads(payload)
         asyncio.run(_run_loop(handoff.build_loop(), ch, handoff.sync_journal))
         _put(ch.samples, ("end", None), ch.stop)
-    except asyncio.CancelledError:  # stop() was called: a clean end
+    except asyncio.CancelledError:  # stop() was called, or the trainer died: a clean end
         pass
     except BaseException:  # noqa: BLE001 - any failure becomes the trainer's error, with this traceback
         ch.events.put(("error", traceback.format_exc()))
         ch.samples.cancel_join_thread()  # queued samples are worthless now; exit without flushing them
-        ch.events.close()
-        ch.events.join_thread()
-        raise SystemExit(1) from None
-    if ch.stop.is_set():  # the trainer stopped reading: do not wait at exit to flush queued samples
-        ch.samples.cancel_join_thread()
+        code, channels = 1, (ch.events,)
+    for channel in channels:
+        _flush(channel, ch.stop)
+    if code:
+        raise SystemExit(code)
 
 
 class RolloutProcess:
