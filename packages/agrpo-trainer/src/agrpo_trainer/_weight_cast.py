@@ -12,7 +12,9 @@ makes, so each micro-batch's backward flows through it into the fp32 `p.grad` as
 losses and gradients are bit-identical to the per-forward cast (tests). Copies made without gradient
 recording (a `no_grad` forward) are never cached, so they cannot stand in for a training forward.
 Cost: one bf16 copy of the layers' matmul weights stays allocated (2 bytes per parameter; 2.8 GB for a
-1.7B model). Does not know compile, checkpointing or the optimizer.
+1.7B model). Only eager layers take the copies (`LayerRegion` decides): handed them, compiled regions'
+gradients drifted from an fp32 step on the H200, while casting in their own graph costs them nothing.
+Does not know compile, checkpointing or the optimizer.
 """
 
 from __future__ import annotations
