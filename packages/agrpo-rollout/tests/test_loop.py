@@ -256,7 +256,8 @@ def test_environment_tools_reset_and_reward(server_config, tool_tokenizer, dict_
     )
     prompt_text = tool_tokenizer.decode(group.rollouts[0].turns[0].prompt_ids)
     assert '"name": "increment"' in prompt_text and '"name": "echo"' not in prompt_text
-    assert metrics[-1]["env/reset_s"] >= 0 and "env/reward_s" in metrics[-1]
+    # window metrics: in whichever push followed the reset and the reward (the first push can come before the end)
+    assert any(m.get("env/reset_s", -1) >= 0 for m in metrics) and any("env/reward_s" in m for m in metrics)
 
 
 def test_cancelling_run_stops_cleanly_and_a_blocking_sink_throttles(server_config, tool_tokenizer):

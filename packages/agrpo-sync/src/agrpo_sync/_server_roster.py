@@ -96,6 +96,11 @@ class ServerRoster:
                     "were changed); rejoining it, and this sync sends it every weight",
                     self.url(index), label, expected,
                 )  # fmt: skip
+            elif index not in self.members:  # lost earlier; its label unreadable or unchanged
+                logger.warning(
+                    "vLLM server %s answers again; rejoining it, and this sync sends it every weight",
+                    self.url(index),
+                )
             if label is None or label != expected or index not in self.members:
                 try:
                     rejoin(index)
