@@ -57,12 +57,13 @@ def test_flex_forward_equals_reference_on_cpu(trees, softcap):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def _assert_same_outputs_and_grads(out, expected, inputs, *, grad_atol: float) -> None:
-    """fp64 outputs agree to 1e-12 and so do the gradients of a random projection w.r.t. `inputs`."""
+def _assert_same_outputs_and_grads(out, expected, inputs, *, grad_atol: float, others=None) -> None:
+    """fp64 outputs agree to 1e-12 and so do the gradients of a random projection w.r.t. `inputs` (for
+    `expected`, w.r.t. `others` when it was computed from copies)."""
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
     weights = torch.randn_like(out)
     grads = torch.autograd.grad((out * weights).sum(), inputs)
-    expected_grads = torch.autograd.grad((expected * weights).sum(), inputs)
+    expected_grads = torch.autograd.grad((expected * weights).sum(), inputs if others is None else others)
     for got, want in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=grad_atol)
 
@@ -131,6 +132,37 @@ def test_cascade_split_and_merge_equal_reference_with_gradients(trees, seed, sha
     out = cascade_attention(q, k, v, layout, state, scaling=0.3)
     expected = build_tree_plan(row, backend="reference").attend(q, k, v, scaling=0.3)
     _assert_same_outputs_and_grads(out, expected, (q, k, v), grad_atol=1e-11)
+
+
+def test_cascade_compiles_as_one_graph_with_the_same_outputs_and_gradients(trees):
+    """Its custom ops are opaque to dynamo: a compiled function around cascade attention has no graph break,
+    one graph serves rows with and without shared prefixes of several sizes, and output and gradients equal
+    the eager call's (aot_eager, fp64 twin kernels on CPU). `opcheck` checks the op's fake and autograd."""
+    from agrpo_attention._backends.cascade import _cascade_forward, build_cascade_state, cascade_attention
+    from agrpo_attention._tree_layout import build_tree_layout
+
+    torch._dynamo.reset()
+    counts = torch._dynamo.utils.counters
+    counts.clear()
+    compiled = torch.compile(cascade_attention, backend="aot_eager", dynamic=True, fullgraph=True)
+    for seed in range(4):
+        row = trees.random_row(seed, share=True, vocab=512, prompts=2 + seed, longest=60 + 20 * seed)
+        layout = build_tree_layout(row, "cpu")
+        state = build_cascade_state(layout)
+        inputs = random_qkv(row, seed)
+        eager_inputs = [x.clone().requires_grad_() for x in inputs]
+        compiled_inputs = [x.clone().requires_grad_() for x in inputs]
+        expected = cascade_attention(*eager_inputs, layout, state, scaling=0.3)
+        got = compiled(*compiled_inputs, layout, state, scaling=0.3)
+        _assert_same_outputs_and_grads(got, expected, compiled_inputs, grad_atol=1e-12, others=eager_inputs)
+    assert counts["stats"]["unique_graphs"] <= 2, dict(counts["stats"])
+    assert not counts["graph_break"], dict(counts["graph_break"])
+    q, k, v = (x[0].transpose(0, 1).contiguous().requires_grad_() for x in random_qkv(row, 0))
+    torch.library.opcheck(
+        _cascade_forward,
+        (q, k, v, layout.q_offsets, layout.max_q, state.cross_q_index, state.cross_k_index, state.cu_q,
+         state.cu_k, state.max_q, state.max_k, 0.3),
+    )  # fmt: skip
 
 
 def test_cascade_refuses_cpu_clearly():

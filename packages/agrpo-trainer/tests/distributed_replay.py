@@ -14,10 +14,11 @@ import sys
 
 import torch
 import torch.distributed as dist
-from rollout_doubles import ReplayTrainer, fixed_samples
+from rollout_doubles import fixed_samples
 
 from agrpo_attention.testing import TinyModelSpec, build_model, build_tokenizer
 from agrpo_trainer import AsyncGRPOConfig
+from agrpo_trainer.testing import ReplayTrainer
 
 
 def checkpoint_dtypes(output_dir: str) -> dict:

@@ -1,10 +1,9 @@
 """Stand-ins for the rollout side, for the trainer's tests; importable by spawned processes (pytest's
 `pythonpath` lists this folder, and spawned children inherit `sys.path`).
 
-- `ReplaySource`: fixed samples in order, then their groups' outcomes, then the end, behind the same methods
-  as `RolloutProcess`. Used where a test needs identical samples across runs (the loss normalisation and
-  the one-rank vs two-rank comparison), never in place of a server where a server is the point.
-- `ReplayTrainer`: `AsyncGRPOTrainer` reading a `ReplaySource` and pushing no weights.
+- `fixed_samples`: GRPO-shaped samples for `agrpo_trainer.testing.ReplayTrainer`, where a test needs identical
+  samples across runs (the loss normalisation and the one-rank vs two-rank comparison), never in place of a
+  server where a server is the point.
 - Faults the real rollout process must survive or report: a reward that raises, a loop that blocks its
   event loop (no heartbeat).
 - `ToolCallingLoop` and `Counter`: a random tiny model never writes a well-formed tool call, so this loop
@@ -24,7 +23,7 @@ import torch
 from agrpo_attention import enable_tree_attention, token_logprobs
 from agrpo_packing import TreeRow
 from agrpo_packing.testing import GroupShape, random_grpo_groups
-from agrpo_rollout import AsyncRolloutLoop, GroupOutcome, RolloutSample
+from agrpo_rollout import AsyncRolloutLoop, RolloutSample
 from agrpo_rollout.testing import scripted_turn
 from agrpo_trainer import AsyncGRPOTrainer
 
@@ -63,60 +62,6 @@ def fixed_samples(model: torch.nn.Module, *, num_prompts: int = 4, seed: int = 0
             )
         )
     return out
-
-
-class ReplaySource:
-    """The samples, then one kept outcome per group, then the end; same methods as `RolloutProcess`."""
-
-    def __init__(self, samples: list[RolloutSample]) -> None:
-        self.samples = samples
-        self.version = 0
-        self._messages: list = []
-        self._events: list = []
-
-    def start(self) -> None:
-        self._messages = [("sample", s) for s in self.samples] + [("end", None)]
-        counts: dict[int, int] = {}
-        for sample in self.samples:
-            counts[sample.group_id] = counts.get(sample.group_id, 0) + 1
-        self._events = [("draw", (0, group_id)) for group_id in counts] + [
-            ("group", GroupOutcome(group_id, 0, group_id, True, "", count, None))
-            for group_id, count in counts.items()
-        ]
-
-    def set_policy_version(self, version: int) -> None:
-        self.version = version
-
-    def next_sample_message(self, timeout_s: float) -> tuple[str, Any] | None:
-        return self._messages.pop(0) if self._messages else None
-
-    def drain_events(self) -> list:
-        events, self._events = self._events, []
-        return events
-
-    def queue_size(self) -> int:
-        return len(self._messages)
-
-    def check(self) -> None:
-        pass
-
-    def stop(self) -> None:
-        self._messages = []
-
-
-class ReplayTrainer(AsyncGRPOTrainer):
-    """Trains on `replay_samples` (set before `train()`); no server, no weight sync."""
-
-    replay_samples: list[RolloutSample] = []
-
-    def _make_sample_source(self, num_processes: int) -> ReplaySource:
-        return ReplaySource(list(self.replay_samples))
-
-    def _start_policy_sync(self):
-        return None
-
-    def _max_model_len(self):
-        return None
 
 
 def exploding_reward(completions, **columns) -> list[float]:

@@ -10,7 +10,8 @@ from agrpo_trainer._checkpointing_choice import (
     HEADROOM,
     LayerProbe,
     MemoryObservation,
-    choose_mode,
+    choose_layer_modes,
+    describe,
     predicted_peaks,
 )
 from agrpo_trainer._layer_region import LayerRegions, RegionSettings
@@ -32,9 +33,40 @@ def test_the_least_recompute_that_fits_is_chosen():
     peaks = predicted_peaks(_observation(140))
     assert peaks["full"] < peaks["selective"] < peaks["none"]
     assert peaks["full"] == 20 * GIB + 27 * GIB  # the optimizer states, then the first step's growth
-    assert choose_mode(_observation(140)) == "none"
-    assert choose_mode(_observation(peaks["none"] / HEADROOM / GIB - 1)) == "selective"
-    assert choose_mode(_observation(peaks["selective"] / HEADROOM / GIB - 1)) == "full"
+    assert choose_layer_modes(_observation(140)) == ("none",) * 28
+    assert (
+        choose_layer_modes(_observation((peaks["selective"] + 1e4) / HEADROOM / GIB)) == ("selective",) * 28
+    )
+    assert choose_layer_modes(_observation((peaks["full"] + 1e4) / HEADROOM / GIB)) == ("full",) * 28
+    assert (
+        choose_layer_modes(_observation(peaks["full"] / HEADROOM / GIB - 1)) == ("full",) * 28
+    )  # nothing fits
+
+
+def test_where_a_whole_mode_does_not_fit_as_many_layers_as_fit_recompute_less():
+    peaks = predicted_peaks(_observation(140))
+    per_layer = (peaks["selective"] - peaks["full"]) / 28  # 16 KB x 16384 tokens = 256 MiB a layer
+    for fit in (1, 10, 27):
+        modes = choose_layer_modes(_observation((peaks["full"] + fit * per_layer + 1) / HEADROOM / GIB))
+        assert modes == ("selective",) * fit + ("full",) * (28 - fit), fit
+    per_none = (peaks["none"] - peaks["selective"]) / 28
+    modes = choose_layer_modes(_observation((peaks["selective"] + 5 * per_none + 1) / HEADROOM / GIB))
+    assert modes == ("none",) * 5 + ("selective",) * 23
+    assert (
+        describe(modes) == "none for 5 of 28 layers, selective for 23" and describe(("full",) * 3) == "full"
+    )
+
+
+def test_mixed_modes_reach_each_layer():
+    regions = LayerRegions(RegionSettings(compile=False, checkpointing="auto"))
+    regions.set_layer_modes(("selective", "selective", "full"))
+    assert [regions.mode_of(i) for i in range(3)] == [
+        "selective",
+        "selective",
+        "full",
+    ] and regions.mode == "full"
+    regions.set_layer_modes(("none",) * 3)
+    assert regions.layer_modes is None and regions.mode == "none"
 
 
 def test_a_first_step_of_short_rows_is_scaled_to_the_row_budget():

@@ -4,6 +4,7 @@ combinations refused at construction with a message that names the fix."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -195,16 +196,23 @@ def test_several_servers_come_as_a_list_from_python_a_flag_or_a_config_file(tmp_
         AsyncGRPOConfig(output_dir=str(tmp_path), vllm_server_base_url=[urls[0], "http://h:8000/v1"])
 
 
-def test_torch_compile_defaults_to_per_layer_compilation_on_cuda_only(tmp_path, monkeypatch):
+def test_torch_compile_defaults_to_per_layer_compilation_on_cuda_only(tmp_path, monkeypatch, caplog):
     from agrpo_trainer import _layer_region
     from agrpo_trainer._layer_region import default_torch_compile
 
-    assert _layer_region.COMPILE_BY_DEFAULT is False, "off until a whole run has trained compiled on a GPU"
-    assert default_torch_compile(use_cpu=False, fsdp=False, named=False) is False
-    monkeypatch.setattr(_layer_region, "COMPILE_BY_DEFAULT", True)  # the rule once it is switched on
+    assert _layer_region.COMPILE_BY_DEFAULT is True, (
+        "on since the trainer's own train() ran compiled on a GPU"
+    )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert default_torch_compile(use_cpu=False, fsdp=False, named=False) is True
-    assert default_torch_compile(use_cpu=False, fsdp=True, named=False) is False  # FSDP2 + regions: unmeasured
+    assert (
+        default_torch_compile(use_cpu=False, fsdp=True, named=False) is False
+    )  # FSDP2 + regions: unmeasured
+    with caplog.at_level(logging.WARNING, logger="agrpo_trainer"):
+        _layer_region.fsdp_compile_notice(use_cpu=False, fsdp=True, named=False)
+        _layer_region.fsdp_compile_notice(use_cpu=False, fsdp=True, named=True)  # asked for by name: no word
+    assert [r.getMessage() for r in caplog.records if "stays off under FSDP" in r.getMessage()] != []
+    assert len(caplog.records) == 1
     assert default_torch_compile(use_cpu=True, fsdp=False, named=False) is False
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert default_torch_compile(use_cpu=False, fsdp=False, named=False) is False
@@ -217,5 +225,7 @@ def test_checkpointing_mode_is_checked_and_warned_about_without_checkpointing(tm
     with pytest.raises(ValueError, match="checkpointing_mode='partial'"):
         AsyncGRPOConfig(output_dir=str(tmp_path), checkpointing_mode="partial")
     with caplog.at_level("WARNING", logger="agrpo_trainer"):
-        AsyncGRPOConfig(output_dir=str(tmp_path), gradient_checkpointing=False, checkpointing_mode="selective")
+        AsyncGRPOConfig(
+            output_dir=str(tmp_path), gradient_checkpointing=False, checkpointing_mode="selective"
+        )
     assert "checkpointing_mode='selective' has no effect" in caplog.text

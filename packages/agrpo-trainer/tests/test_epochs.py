@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from rollout_doubles import ReplayTrainer, fixed_samples
+from rollout_doubles import fixed_samples
 
 from agrpo_attention.testing import TinyModelSpec, build_model, build_tokenizer
 from agrpo_trainer import AsyncGRPOConfig
+from agrpo_trainer.testing import ReplayTrainer
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from rollout_doubles import ReplayTrainer, fixed_samples
+from rollout_doubles import fixed_samples
 from torch._dynamo.utils import counters
 
 from agrpo_attention import enable_tree_attention, token_logprobs, token_scores
@@ -19,6 +19,7 @@ from agrpo_packing import TreeRow
 from agrpo_packing.testing import GroupShape, random_grpo_groups
 from agrpo_trainer import AsyncGRPOConfig
 from agrpo_trainer._layer_region import LayerRegions, RegionSettings, decoder_layers
+from agrpo_trainer.testing import ReplayTrainer
 
 
 def _row(seed: int, *, share: bool = True):
@@ -140,7 +141,7 @@ def test_decoder_layers_are_the_trained_repeated_blocks():
 
 
 @pytest.mark.filterwarnings("ignore:.*gradient_checkpointing.*:FutureWarning")
-def test_the_trainer_compiles_each_layer_and_not_the_whole_model(tmp_path):
+def test_the_trainer_compiles_each_layer_and_not_the_whole_model(tmp_path, capsys):
     tokenizer = build_tokenizer()
     model = build_model(TinyModelSpec(seed=1), tokenizer)
     ReplayTrainer.replay_samples = fixed_samples(build_model(TinyModelSpec(seed=1), tokenizer), num_prompts=2)
@@ -161,3 +162,6 @@ def test_the_trainer_compiles_each_layer_and_not_the_whole_model(tmp_path):
     assert not isinstance(trainer.model, torch._dynamo.eval_frame.OptimizedModule)
     assert 1 <= _graphs() - graphs <= 2  # the layers' region (rows that share and rows that do not)
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
+    said = capsys.readouterr().err  # the first step's compile is announced once, then its cost
+    assert said.count("agrpo: compiling 2 decoder layers (eager) during the first optimizer step") == 1, said
+    assert said.count("agrpo: first optimizer step, with compilation, took") == 1, said

@@ -7,12 +7,13 @@ import dataclasses
 import time
 
 import pytest
-from rollout_doubles import ReplaySource, fixed_samples
+from rollout_doubles import fixed_samples
 
 from agrpo_attention.testing import TinyModelSpec, build_model, build_tokenizer
 from agrpo_packing import PackingConfig
 from agrpo_trainer._micro_batch_stream import MicroBatchStream
 from agrpo_trainer._prompt_ledger import PromptLedger
+from agrpo_trainer.testing import ReplaySource
 
 
 @pytest.fixture(scope="module")

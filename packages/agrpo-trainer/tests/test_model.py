@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import torch
 from peft import LoraConfig
-from rollout_doubles import ReplayTrainer, fixed_samples
+from rollout_doubles import fixed_samples
 from transformers import AutoModelForCausalLM, Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
 from agrpo_attention.testing import TinyModelSpec, build_model, build_tokenizer
 from agrpo_sync import WeightSync, WeightSyncConfig
 from agrpo_trainer import AsyncGRPOConfig
+from agrpo_trainer.testing import ReplayTrainer
 
 
 def _args(tmp_path, **overrides) -> AsyncGRPOConfig:

@@ -194,9 +194,10 @@ _KERNEL_KINDS = (
 
 
 def kernel_split(events) -> dict:
-    """Share of the GPU's busy time per kernel kind (`_KERNEL_KINDS`), and the five costliest kernels (ms)."""
+    """Share of the GPU's busy time per kernel kind (`_KERNEL_KINDS`), and the twelve costliest kernels (ms, calls)."""
     per_kind: dict[str, float] = {}
     per_name: dict[str, float] = {}
+    calls: dict[str, int] = {}
     for e in events:
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
@@ -205,11 +206,13 @@ def kernel_split(events) -> dict:
         kind = next((k for k, parts in _KERNEL_KINDS if any(p in lower for p in parts)), "other")
         per_kind[kind] = per_kind.get(kind, 0.0) + us
         per_name[name] = per_name.get(name, 0.0) + us
+        calls[name] = calls.get(name, 0) + 1
     total = sum(per_kind.values()) or 1.0
-    top = sorted(per_name.items(), key=lambda kv: -kv[1])[:5]
+    top = sorted(per_name.items(), key=lambda kv: -kv[1])[:12]
     return {
         "kinds": {k: round(v / total, 4) for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1])},
-        "top_kernels_ms": [(name[:80], round(us / 1e3, 1)) for name, us in top],
+        "busy_ms": round(total / 1e3, 1),
+        "top_kernels_ms": [(name[:90], round(us / 1e3, 1), calls[name]) for name, us in top],
     }
 
 

@@ -1,8 +1,9 @@
-"""Random transformers models of the benchmark's shapes: Qwen3-0.6B/1.7B/4B dense, a Qwen3.5-style hybrid, tiny twins.
+"""Random transformers models of the benchmark's shapes: Qwen3-0.6B/1.7B/4B/8B dense, a Qwen3.5-style hybrid, tiny twins.
 
 Owns the configurations. The dense shapes are Qwen3-1.7B's and Qwen3-0.6B's published ones (28 layers,
 hidden 2048 / 1024, MLP 6144 / 3072, 16 query / 8 KV heads of 128, vocab 151936, tied embeddings) and
-Qwen3-4B's (36 layers, hidden 2560, MLP 9728, 32 query / 8 KV heads of 128, tied). The hybrid is a 2B-class shape
+Qwen3-4B's (36 layers, hidden 2560, MLP 9728, 32 query / 8 KV heads of 128, tied) and Qwen3-8B's (36 layers,
+hidden 4096, MLP 12288, 32 / 8 heads of 128, untied). The hybrid is a 2B-class shape
 assumed in the Qwen3.5 style (3 Gated DeltaNet layers to 1 gated full-attention layer, hidden 2048,
 MLP 6144, 8 query / 2 KV heads of 256, 16 key and 16 value linear heads of 128, vocab 248320); it is
 not a published checkpoint's config. Small and tiny shapes serve parity checks and CPU smoke
@@ -19,6 +20,8 @@ SHAPES: dict[str, dict] = {
                        vocab=151936),
     "qwen3-4b": dict(kind="dense", hidden=2560, mlp=9728, layers=36, heads=32, kv_heads=8, head_dim=128,
                      vocab=151936),
+    "qwen3-8b": dict(kind="dense", hidden=4096, mlp=12288, layers=36, heads=32, kv_heads=8, head_dim=128,
+                     vocab=151936, tied=False),
     "qwen3-0.6b": dict(kind="dense", hidden=1024, mlp=3072, layers=28, heads=16, kv_heads=8, head_dim=128,
                        vocab=151936),
     "qwen3.5-hybrid-2b": dict(kind="hybrid", hidden=2048, mlp=6144, layers=24, heads=8, kv_heads=2, head_dim=256,
@@ -38,7 +41,7 @@ def _config(shape: dict, num_layers: int):
     common = dict(
         vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["mlp"],
         num_hidden_layers=num_layers, num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
-        head_dim=shape["head_dim"], tie_word_embeddings=True, max_position_embeddings=32768,
+        head_dim=shape["head_dim"], tie_word_embeddings=shape.get("tied", True), max_position_embeddings=131072,
     )  # fmt: skip
     if shape["kind"] == "dense":
         return Qwen3Config(**common)

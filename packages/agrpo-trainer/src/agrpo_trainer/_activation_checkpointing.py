@@ -29,6 +29,7 @@ CHECKPOINT_MODES = ("full", "selective", "none")
 
 _ATTENTION_OP_NAMES = (
     "agrpo::tree_attention",
+    "agrpo::cascade_attention",
     "torch_attn::_varlen_attn",
     "aten::_flash_attention_forward",
     "aten::_scaled_dot_product_flash_attention",

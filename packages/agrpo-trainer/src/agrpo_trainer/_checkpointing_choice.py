@@ -13,8 +13,8 @@ peak of later steps is predicted as
 
 (`rows_scale` = the largest row allowed / the largest row seen, so a short first step does not fool it;
 gradients are scaled too, which errs on the safe side), and the mode with the least recompute whose
-prediction stays under 90% of the capacity is chosen (`none`, then `selective`, else `full`), logged
-with the numbers. On a device without allocator statistics (CPU) `auto` stays `full`. With compiled
+prediction stays under 90% of the capacity is chosen (`none`, then `selective`, else `full`), mixed per layer
+where a whole mode does not fit (`choose_layer_modes`), logged with the numbers. On a device without allocator statistics (CPU) `auto` stays `full`. With compiled
 layers the probe costs the first step two more compiles (the `none` and `selective` graphs of the first
 row's kind), which the choice may then reuse. Does not know how layers are compiled or checkpointed
 (`_layer_region.py` applies the mode).
@@ -102,13 +102,36 @@ def predicted_peaks(obs: MemoryObservation) -> dict[str, float]:
     }
 
 
-def choose_mode(obs: MemoryObservation) -> str:
-    """The mode with the least recompute whose predicted peak fits under `HEADROOM` of the capacity."""
-    peaks = predicted_peaks(obs)
-    for mode in ("none", "selective"):
-        if mode in peaks and peaks[mode] <= HEADROOM * obs.capacity:
-            return mode
-    return "full"
+def choose_layer_modes(obs: MemoryObservation) -> tuple[str, ...]:
+    """Each layer's mode: the least recompute whose predicted peak fits under `HEADROOM` of the capacity, mixed
+    per layer where a whole mode does not fit. Memory grows by layer, so when `none` does not fit but `selective`
+    does, as many layers as fit run `none` and the rest `selective`; when only `full` fits, as many as fit run
+    `selective` and the rest `full` (a 4B model's 64k-token rows: full alone recomputes a third more than it
+    must). The less-recompute layers come first."""
+    peaks, limit = predicted_peaks(obs), HEADROOM * obs.capacity
+    layers = obs.num_layers
+    for more, less in (("none", "selective"), ("selective", "full")):
+        if less not in peaks or more not in peaks or peaks[less] > limit:
+            continue
+        if peaks[more] <= limit:
+            return (more,) * layers
+        per_layer = (
+            peaks[more] - peaks[less]
+        ) / layers  # what one layer adds switching from `less` to `more`
+        count = int((limit - peaks[less]) // per_layer) if per_layer > 0 else layers
+        return (more,) * count + (less,) * (layers - count)
+    return ("full",) * layers
+
+
+def describe(modes: tuple[str, ...]) -> str:
+    """ "selective" for one mode, else "selective for 20 of 36 layers, full for 16"."""
+    counts = {m: modes.count(m) for m in dict.fromkeys(modes)}
+    if len(counts) == 1:
+        return modes[0] if modes else "full"
+    return ", ".join(
+        f"{m} for {n}" + (f" of {len(modes)} layers" if i == 0 else "")
+        for i, (m, n) in enumerate(counts.items())
+    )
 
 
 class CheckpointingChoice(TrainerCallback):
@@ -141,11 +164,10 @@ class CheckpointingChoice(TrainerCallback):
         if not self.pending or self.regions.device is None:
             return
         self.pending = False
-        mode = self.decide()
-        self.regions.set_mode(mode)
+        self.regions.set_layer_modes(self.decide())
 
-    def decide(self) -> str:
-        """The chosen mode from this step's measurements, logged with the predictions."""
+    def decide(self) -> tuple[str, ...]:
+        """Each layer's mode from this step's measurements, logged with the predictions."""
         device, probe = self.regions.device, self.regions.probe
         probe.active = False
         free, _ = torch.cuda.mem_get_info(device)
@@ -156,12 +178,12 @@ class CheckpointingChoice(TrainerCallback):
             max_row_tokens=max(rows, self.regions.max_row_tokens or int(1.25 * rows)),
             num_layers=self.regions.num_layers, kept_per_token=dict(probe.kept_per_token),
         )  # fmt: skip
-        mode = choose_mode(obs)
+        modes = choose_layer_modes(obs)
         peaks = ", ".join(f"{m} {p / 2**30:.1f} GiB" for m, p in predicted_peaks(obs).items())
         logger.info(
             "checkpointing_mode=auto chose %s: predicted peaks %s for rows up to %d tokens; capacity %.1f GiB "
             "(first step peak %.1f GiB with full checkpointing)",
-            mode, peaks, obs.max_row_tokens, obs.capacity / 2**30, obs.fwd_bwd_peak / 2**30,
+            describe(modes), peaks, obs.max_row_tokens, obs.capacity / 2**30, obs.fwd_bwd_peak / 2**30,
         )  # fmt: skip
-        assert mode in CHECKPOINT_MODES
-        return mode
+        assert set(modes) <= set(CHECKPOINT_MODES)
+        return modes

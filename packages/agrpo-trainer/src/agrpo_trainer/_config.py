@@ -27,7 +27,12 @@ from agrpo_packing import PackingConfig
 from agrpo_rollout import RolloutConfig
 from agrpo_sync import WeightSyncConfig
 
-from ._layer_region import check_checkpointing_mode, checkpointing_on, default_torch_compile
+from ._layer_region import (
+    check_checkpointing_mode,
+    checkpointing_on,
+    default_torch_compile,
+    fsdp_compile_notice,
+)
 from ._loss import LossSettings
 
 # Decaying schedules need a known horizon; forks make the number of steps per epoch unknown (reference).
@@ -62,8 +67,8 @@ class AsyncGRPOConfig(TrainingArguments):
         metadata=_help(
             "Compile each decoder layer (torch_compile_backend/_mode; the rest stays eager): 1.67-1.74x the "
             "trained tokens/s at packing ratios 1-8 on an H200, gradients as close to fp32 as eager's "
-            "(docs/benchmarks.md). None: False for now (True when a backend or mode is named), until a whole run "
-            "has trained compiled on a GPU; the first step pays the compile (about 2.5 min for a 1.7B model)."
+            "(docs/benchmarks.md). None: True on CUDA (not under FSDP, where it is unmeasured; not on CPU) and "
+            "wherever a backend or mode is named; the first step pays the compile (about 2.5 min for a 1.7B model)."
         ),
     )
     bf16: bool | None = field(
@@ -244,6 +249,7 @@ class AsyncGRPOConfig(TrainingArguments):
             self.torch_compile = default_torch_compile(
                 use_cpu=self.use_cpu, fsdp=bool(self.fsdp), named=named
             )
+            fsdp_compile_notice(use_cpu=self.use_cpu, fsdp=bool(self.fsdp), named=named)
         if self.gradient_checkpointing is None and getattr(self, "activation_checkpointing", None) is None:
             if any(f.name == "activation_checkpointing" for f in fields(self)):
                 self.activation_checkpointing = True

@@ -37,6 +37,7 @@ from ._activation_checkpointing import (
     selective_context_fn,
 )
 from ._checkpointing_choice import CheckpointingChoice, LayerProbe
+from ._compile_notice import CompileNotice
 from ._weight_cast import WeightCast, castable_names
 
 logger = logging.getLogger("agrpo_trainer")
@@ -142,7 +143,7 @@ class LayerRegion:
             return self.runner(hidden_states, *args, **kwargs)
         regions = self.regions
         probed = regions.probe.mode_for(self.index)
-        mode = probed or regions.mode
+        mode = probed or regions.mode_of(self.index)
         weights = self._weights(hidden_states.device)
         regions.largest_row = max(regions.largest_row, hidden_states.shape[1])
         start = regions.probe.before(hidden_states.device) if probed else None
@@ -189,7 +190,9 @@ class LayerRegions:
     def __init__(self, settings: RegionSettings) -> None:
         self.settings = settings
         self.mode = "full" if settings.checkpointing == "auto" else settings.checkpointing
-        """The checkpointing mode every layer runs now."""
+        """The checkpointing mode the layers run now (with `layer_modes`, the one that recomputes most)."""
+        self.layer_modes: tuple[str, ...] | None = None
+        """Each layer's mode where `auto` mixed them; None: every layer runs `mode`."""
         self.cast = WeightCast()
         self.probe = LayerProbe()
         self.regions: list[LayerRegion] = []
@@ -206,12 +209,14 @@ class LayerRegions:
     def for_trainer(cls, trainer) -> LayerRegions:
         """The regions a trainer's config asks for (`region_settings`), with `choice` added to its callbacks;
         accelerate is told not to compile the whole model in `prepare` (the Trainer hands it `torch_compile*`):
-        the layers are compiled instead. A positive `token_budget` bounds the rows `auto` plans for."""
+        the layers are compiled instead, and the first step's compile is announced (`CompileNotice`). A positive
+        `token_budget` bounds the rows `auto` plans for."""
         keep_whole_model_eager(trainer.accelerator)
         regions = cls(region_settings(trainer.args))
         budget = trainer.args.token_budget
         regions.max_row_tokens = budget if budget is not None and budget > 0 else None
         trainer.add_callback(regions.choice)
+        trainer.add_callback(CompileNotice(regions))
         return regions
 
     @property
@@ -253,21 +258,43 @@ class LayerRegions:
     def set_mode(self, mode: str) -> None:
         if mode not in CHECKPOINT_MODES:
             raise ValueError(f"checkpointing mode {mode!r}; expected one of {list(CHECKPOINT_MODES)}")
-        self.mode = mode
+        self.mode, self.layer_modes = mode, None
+
+    def set_layer_modes(self, modes: tuple[str, ...]) -> None:
+        """One mode per layer (the `auto` choice); a single mode when they are all the same."""
+        if len(set(modes)) <= 1:
+            self.set_mode(modes[0] if modes else "full")
+            return
+        self.set_mode(min(modes, key=CHECKPOINT_MODES.index))  # CHECKPOINT_MODES: most recompute first
+        self.layer_modes = tuple(modes)
+
+    def mode_of(self, index: int) -> str:
+        """The mode layer `index` runs now."""
+        modes = self.layer_modes
+        return modes[index] if modes is not None and index < len(modes) else self.mode
 
 
-COMPILE_BY_DEFAULT = False
-"""Off until a whole training run (LoRA and hybrid models too) has run compiled on the GPU. What kept it off
-before is measured fixed on one H200 (2026-12-04, docs/benchmarks.md): rows no longer recompile per segment
-count, and compiled gradients lie as close to an fp32 step as eager bf16's once compiled layers stopped taking
-the weights cast once."""
+COMPILE_BY_DEFAULT = True
+"""On since 2026-12-05: the trainer's own `train()` ran compiled on one H200 over recorded rollouts, full fine-tuning
+and LoRA, with gradients as close to an fp32 step as eager bf16's, no graph break and no new graph over 20 steps of
+fresh rows (`tools/bench/train_step/trainer_run.py`, docs/benchmarks.md)."""
 
 
 def default_torch_compile(*, use_cpu: bool, fsdp: bool, named: bool) -> bool:
     """`torch_compile=None` resolves to this: per-layer compilation wherever a compile backend or mode is
-    named, and on CUDA once `COMPILE_BY_DEFAULT` is on; never by default under FSDP (regional compilation of
-    FSDP2-sharded layers is not measured) or on CPU, where compiling costs more than it saves for tiny models."""
+    named, and on CUDA (`COMPILE_BY_DEFAULT`); not by default under FSDP (regional compilation of FSDP2-sharded
+    layers is not measured: said once, see `fsdp_compile_notice`) or on CPU, where compiling costs more than it
+    saves for tiny models."""
     return named or (COMPILE_BY_DEFAULT and torch.cuda.is_available() and not use_cpu and not fsdp)
+
+
+def fsdp_compile_notice(*, use_cpu: bool, fsdp: bool, named: bool) -> None:
+    """Say why a CUDA run under FSDP trains eager when `torch_compile` was left to its default."""
+    if fsdp and not named and not use_cpu and COMPILE_BY_DEFAULT and torch.cuda.is_available():
+        logger.warning(
+            "torch_compile=None stays off under FSDP: compiled decoder layers of FSDP2-sharded models are not "
+            "measured yet (docs/benchmarks.md); set torch_compile=True to try them"
+        )
 
 
 def checkpointing_on(args) -> bool:

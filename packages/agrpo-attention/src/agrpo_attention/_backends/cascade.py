@@ -169,49 +169,112 @@ def _merge(out_own, lse_own, out_cross, lse_cross, q_index):
     return out.to(out_own.dtype), lse
 
 
-class _CascadeAttention(torch.autograd.Function):
-    """q (N, H, D), k/v (N, Hkv, D) -> (N, H, D) tree attention; see the module docstring."""
+def _placeholder_rng(q):
+    """What FA2's backward takes for the dropout RNG state; never read at dropout 0."""
+    if not _flash(q):
+        return None
+    empty = torch.empty((), dtype=torch.int64, device=q.device)
+    return empty, empty
 
-    @staticmethod
-    def forward(ctx, q, k, v, q_offsets, max_own, state, scale):
-        out, lse, ctx.rng_own = _forward(q, k, v, q_offsets, q_offsets, max_own, max_own, True, scale)
-        ctx.rng_cross = None
-        if state.cross_q_index is not None:
-            qi, ki = state.cross_q_index, state.cross_k_index
-            out_c, lse_c, ctx.rng_cross = _forward(
-                q[qi], k[ki], v[ki], state.cu_q, state.cu_k, state.max_q, state.max_k, False, scale
-            )
-            out, lse = _merge(out, lse, out_c, lse_c, qi)
-        ctx.save_for_backward(q, k, v, out, lse, q_offsets)
-        ctx.max_own, ctx.state, ctx.scale = max_own, state, scale
-        return out
 
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, out, lse, q_offsets = ctx.saved_tensors
-        state, scale, grad = ctx.state, ctx.scale, grad.contiguous()
-        own = _backward(
-            grad, q, k, v, out, lse, q_offsets, q_offsets, ctx.max_own, ctx.max_own, True, scale, ctx.rng_own
-        )
-        if state.cross_q_index is None:
-            return *own, None, None, None, None
-        qi, ki = state.cross_q_index, state.cross_k_index
-        cross = _backward(
-            grad[qi], q[qi], k[ki], v[ki], out[qi], lse[:, qi].contiguous(),
-            state.cu_q, state.cu_k, state.max_q, state.max_k, False, scale, ctx.rng_cross,
-        )  # fmt: skip
-        compute = torch.promote_types(q.dtype, torch.float32)
-        dq, dk, dv = (g.to(compute) for g in own)
-        dq.index_add_(0, qi, cross[0].to(compute))
-        dk.index_add_(0, ki, cross[1].to(compute))
-        dv.index_add_(0, ki, cross[2].to(compute))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+@torch.library.custom_op("agrpo::cascade_attention", mutates_args=())
+def _cascade_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    max_own: int,
+    cross_q_index: torch.Tensor | None,
+    cross_k_index: torch.Tensor | None,
+    cu_q: torch.Tensor | None,
+    cu_k: torch.Tensor | None,
+    max_q: int,
+    max_k: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (N, H, D), k/v (N, Hkv, D) -> out (N, H, D) and its fp32 log-sum-exp (H, N)."""
+    out, lse, _ = _forward(q, k, v, q_offsets, q_offsets, max_own, max_own, True, scale)
+    if cross_q_index is not None:
+        qi, ki = cross_q_index, cross_k_index
+        out_c, lse_c, _ = _forward(q[qi], k[ki], v[ki], cu_q, cu_k, max_q, max_k, False, scale)
+        out, lse = _merge(out, lse, out_c, lse_c, qi)
+    return out.contiguous(), lse.contiguous()
+
+
+@_cascade_forward.register_fake
+def _(q, k, v, q_offsets, max_own, cross_q_index, cross_k_index, cu_q, cu_k, max_q, max_k, scale):
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.promote_types(q.dtype, torch.float32))
+    return torch.empty_like(q), lse
+
+
+@torch.library.custom_op("agrpo::cascade_attention_backward", mutates_args=())
+def _cascade_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    q_offsets: torch.Tensor,
+    max_own: int,
+    cross_q_index: torch.Tensor | None,
+    cross_k_index: torch.Tensor | None,
+    cu_q: torch.Tensor | None,
+    cu_k: torch.Tensor | None,
+    max_q: int,
+    max_k: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every block's flash backward with the merged output and log-sum-exp (exact gradients of the union)."""
+    rng = _placeholder_rng(q)
+    own = _backward(grad, q, k, v, out, lse, q_offsets, q_offsets, max_own, max_own, True, scale, rng)
+    if cross_q_index is None:
+        return tuple(torch.empty_like(x).copy_(g) for x, g in zip((q, k, v), own, strict=True))
+    qi, ki = cross_q_index, cross_k_index
+    cross = _backward(
+        grad[qi], q[qi], k[ki], v[ki], out[qi], lse[:, qi].contiguous(),
+        cu_q, cu_k, max_q, max_k, False, scale, rng,
+    )  # fmt: skip
+    compute = torch.promote_types(q.dtype, torch.float32)
+    dq, dk, dv = (g.to(compute) for g in own)
+    dq.index_add_(0, qi, cross[0].to(compute))
+    dk.index_add_(0, ki, cross[1].to(compute))
+    dv.index_add_(0, ki, cross[2].to(compute))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@_cascade_backward.register_fake
+def _(grad, q, k, v, *rest):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, q_offsets, max_own, qi, ki, cu_q, cu_k, max_q, max_k, scale = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], q_offsets, qi, ki, cu_q, cu_k)
+    ctx.ints = (max_own, max_q, max_k, scale)
+
+
+def _autograd_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, q_offsets, qi, ki, cu_q, cu_k = ctx.saved_tensors
+    max_own, max_q, max_k, scale = ctx.ints
+    grads = _cascade_backward(
+        grad_out.contiguous(), q, k, v, out, lse, q_offsets, max_own, qi, ki, cu_q, cu_k, max_q, max_k, scale
+    )
+    return *grads, *(None for _ in range(9))
+
+
+_cascade_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 def cascade_attention(query, key, value, layout: TreeLayout, state: CascadeState, *, scaling: float):
-    """query (1, Hq, N, D), key/value (1, Hkv, N, D) -> (1, N, Hq, D), any device (flash on CUDA fp16/bf16)."""
+    """query (1, Hq, N, D), key/value (1, Hkv, N, D) -> (1, N, Hq, D), any device (flash on CUDA fp16/bf16).
+    One custom op forward and one backward: torch.compile sees opaque calls with known shapes, so a compiled
+    decoder layer runs cascade rows without a graph break (the state is built in `prepare`, outside)."""
     q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))
-    out = _CascadeAttention.apply(q, k, v, layout.q_offsets, layout.max_q, state, float(scaling))
+    out, _ = _cascade_forward(
+        q, k, v, layout.q_offsets, layout.max_q, state.cross_q_index, state.cross_k_index,
+        state.cu_q, state.cu_k, state.max_q, state.max_k, float(scaling),
+    )  # fmt: skip
     return out.unsqueeze(0)
 
 
@@ -222,7 +285,7 @@ class CascadeBackend:
     supports_softcap = False
     input_dtypes = None  # FA2 for fp16/bf16, the plain PyTorch twin for float32
     forward_only_on = ()
-    under_compile = "eager"  # dynamo fails on the autograd.Function (SyntaxError: duplicate argument)
+    under_compile = "trace"  # its custom ops are opaque to dynamo: no graph break
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         if device.type != "cuda" or torch.version.cuda is None:
