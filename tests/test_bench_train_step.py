@@ -46,3 +46,31 @@ def test_the_bench_runs_compiled_layer_regions_with_parity_and_recompile_counts(
     assert setup["graphs"] == 1 and setup["graph_breaks"] == 0
     assert setup["recompile"]["new_graphs"] == 0  # a plain row after the tree rows: the same graph
     assert "parity vs eager regions" in capsys.readouterr().out
+
+
+def test_the_trainers_own_train_runs_compiled_over_the_recorded_rollouts(tmp_path, monkeypatch):
+    """`trainer_run.py`, the GPU check behind `torch_compile` on by default, on CPU: the recorded CPU-server
+    rollouts load back as they were saved, `ReplayTrainer.train()` runs them compiled (full fine-tuning and
+    LoRA), ratios start at 1 after re-scoring, one graph, no graph break, and parity against the eager regions."""
+    import numpy as np
+
+    from tools.bench.train_step import trainer_run
+    from tools.bench.train_step.rollouts import ROLLOUTS, load, save
+
+    samples = load(ROLLOUTS)
+    assert len(samples) >= 700 and len({s.group_id for s in samples}) >= 90  # enough fresh rows for 22 steps
+    save(samples[:40], tmp_path / "few.npz")
+    again = load(tmp_path / "few.npz")
+    for a, b in zip(samples[:40], again, strict=True):
+        for name in ("input_ids", "trained_mask", "advantages", "sampler_logprobs", "sampler_top_ids"):
+            assert np.array_equal(getattr(a, name), getattr(b, name)), name
+        assert (a.group_id, a.reward) == (b.group_id, b.reward)
+    out = tmp_path / "run.json"
+    monkeypatch.setattr(sys, "argv", ["trainer_run", "--tiny", "--lora", "both", "--json", str(out)])
+    trainer_run.main()
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["lora"] for r in runs] == [False, True]
+    for run in runs:
+        assert run["torch_compile"] and run["compiled_layers"] == run["layers"] and run["steps"] == 3
+        assert run["graphs_by_step_2"] >= 1 and run["new_graphs_after_step_2"] == 0 and run["graph_breaks"] == 0
+        assert run["parity"]["passed"], run["parity"]

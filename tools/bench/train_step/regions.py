@@ -124,13 +124,17 @@ def _loss_and_grads(
 
 @contextlib.contextmanager
 def _fp32_matmuls():
-    """Full fp32 matmuls (no TF32) for the reference step, restored afterwards."""
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
+    """Full fp32 matmuls (no TF32) for the reference step, restored afterwards. Through the per-backend API
+    (`fp32_precision`): the Trainer sets TF32 through it, after which torch refuses the legacy getter."""
+    backends = [torch.backends.cuda.matmul, torch.backends.cudnn.conv]
+    before = [b.fp32_precision for b in backends]
+    for backend in backends:
+        backend.fp32_precision = "ieee"
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(before)
+        for backend, value in zip(backends, before, strict=True):
+            backend.fp32_precision = value
 
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
