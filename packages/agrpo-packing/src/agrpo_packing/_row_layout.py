@@ -13,6 +13,10 @@ the owner o is the nearest earlier emitting entry with `shared[o] < shared[k]` (
 A node forks when it has two or more children (its owner's own continuation counts as one); segments
 break at forks only, so a child segment always hangs off its parent segment's last token, and a lone
 child at the end of its owner's path simply continues the owner's segment.
+
+MoE routes (`_routes`) are written per entry in order of add along its whole path: a position takes the
+first route written there; a later sample with another expert set there counts one route conflict. The
+work is per entry over its path (the raw tokens), with numpy.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ._exceptions import PackingError
 from ._packed_row import PackedRow
 from ._trie_entry import TrieEntry
 
@@ -182,6 +187,39 @@ def _sampling_mask(entries: Sequence[TrieEntry]) -> dict:
     }
 
 
+def _routes(entries: Sequence[TrieEntry], sorted_entries: Sequence[TrieEntry], trie: _SortedTrie) -> dict:
+    """`routed_experts` (N, E, k) and `route_conflicts` (see the module and `PackedRow` docstrings)."""
+    routed = [e for e in entries if e.sample.routed_experts is not None]
+    if not routed:
+        return {}
+    shapes = sorted({e.sample.routed_experts.shape[1:] for e in routed})
+    if len(shapes) > 1:
+        raise PackingError(
+            f"samples of one row carry routes of different (num_layers, top_k): {shapes}; every sample's "
+            "routed_experts must come from the same model"
+        )
+    out = np.full((trie.num_tokens, *shapes[0]), -1, dtype=np.int16)
+    filled = np.zeros(trie.num_tokens, dtype=bool)
+    sorted_index = {id(e): k for k, e in enumerate(sorted_entries)}
+    conflicts = 0
+    for entry in routed:
+        if not entry.num_nodes:
+            continue
+        positions = _predicting_positions(trie, sorted_index[id(entry)], np.arange(entry.num_nodes))
+        routes = entry.sample.routed_experts[: entry.num_nodes]
+        has = (routes != -1).any(axis=(1, 2))
+        new = has & ~filled[positions]
+        out[positions[new]] = routes[new]
+        filled[positions[new]] = True
+        again = has & ~new
+        kept, mine = out[positions[again]], routes[again]
+        differ = (kept != mine).any(axis=(1, 2))
+        if differ.any():  # same experts in another order is the same route
+            kept, mine = np.sort(kept[differ], axis=-1), np.sort(mine[differ], axis=-1)
+            conflicts += int((kept != mine).any(axis=(1, 2)).sum())
+    return {"routed_experts": out, "route_conflicts": conflicts}
+
+
 def build_packed_row(
     entries: Sequence[TrieEntry], sorted_entries: Sequence[TrieEntry], shared: Sequence[int]
 ) -> PackedRow:
@@ -202,6 +240,9 @@ def build_packed_row(
         **_loss_terms(entries, sorted_entries, trie),
     }
     arrays |= _sampler_top(entries, arrays["token_index"].shape[0]) | _sampling_mask(entries)
+    routes = _routes(entries, sorted_entries, trie)
+    arrays |= {k: v for k, v in routes.items() if k == "routed_experts"}
     tensors = {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in arrays.items()}
     raw = sum(e.sample.num_tokens for e in entries)
-    return PackedRow(**tensors, num_samples=len(entries), num_raw_tokens=raw)
+    conflicts = routes.get("route_conflicts", 0)
+    return PackedRow(**tensors, num_samples=len(entries), num_raw_tokens=raw, route_conflicts=conflicts)
