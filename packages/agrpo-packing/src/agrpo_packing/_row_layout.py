@@ -187,6 +187,21 @@ def _sampling_mask(entries: Sequence[TrieEntry]) -> dict:
     }
 
 
+def _token_rows(routes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(n, E * k) int16 rows of an (n, E, k) route array, and the same rows as one opaque (n,) void array
+    each, so that "has a route" is one memcmp per token that stops at its first expert id."""
+    rows = np.ascontiguousarray(routes).reshape(routes.shape[0], -1)
+    return rows, rows.view(np.dtype((np.void, rows.shape[1] * rows.itemsize))).reshape(-1)
+
+
+def _slice_or_take(rows: np.ndarray, picked: np.ndarray) -> np.ndarray:
+    """`rows[picked]`; a view when the picked rows are consecutive (a shared prefix), else a copy."""
+    index = np.flatnonzero(picked)
+    if index.size and index[-1] - index[0] + 1 == index.size:
+        return rows[index[0] : index[-1] + 1]
+    return rows[index]
+
+
 def _routes(entries: Sequence[TrieEntry], sorted_entries: Sequence[TrieEntry], trie: _SortedTrie) -> dict:
     """`routed_experts` (N, E, k) and `route_conflicts` (see the module and `PackedRow` docstrings)."""
     routed = [e for e in entries if e.sample.routed_experts is not None]
@@ -198,26 +213,32 @@ def _routes(entries: Sequence[TrieEntry], sorted_entries: Sequence[TrieEntry], t
             f"samples of one row carry routes of different (num_layers, top_k): {shapes}; every sample's "
             "routed_experts must come from the same model"
         )
-    out = np.full((trie.num_tokens, *shapes[0]), -1, dtype=np.int16)
+    width = int(np.prod(shapes[0]))
+    out = np.empty((trie.num_tokens, width), dtype=np.int16)
     filled = np.zeros(trie.num_tokens, dtype=bool)
+    no_route = _token_rows(np.full((1, width, 1), -1, dtype=np.int16))[1][0]
     sorted_index = {id(e): k for k, e in enumerate(sorted_entries)}
     conflicts = 0
     for entry in routed:
         if not entry.num_nodes:
             continue
         positions = _predicting_positions(trie, sorted_index[id(entry)], np.arange(entry.num_nodes))
-        routes = entry.sample.routed_experts[: entry.num_nodes]
-        has = (routes != -1).any(axis=(1, 2))
+        rows, opaque = _token_rows(entry.sample.routed_experts[: entry.num_nodes])
+        has = opaque != no_route
         new = has & ~filled[positions]
-        out[positions[new]] = routes[new]
+        out[positions[new]] = _slice_or_take(rows, new)
         filled[positions[new]] = True
         again = has & ~new
-        kept, mine = out[positions[again]], routes[again]
-        differ = (kept != mine).any(axis=(1, 2))
+        if not again.any():
+            continue
+        kept, mine = out[positions[again]], _slice_or_take(rows, again)
+        differ = (kept != mine).any(axis=1)
         if differ.any():  # same experts in another order is the same route
-            kept, mine = np.sort(kept[differ], axis=-1), np.sort(mine[differ], axis=-1)
+            kept = np.sort(kept[differ].reshape(-1, *shapes[0]), axis=-1)
+            mine = np.sort(mine[differ].reshape(-1, *shapes[0]), axis=-1)
             conflicts += int((kept != mine).any(axis=(1, 2)).sum())
-    return {"routed_experts": out, "route_conflicts": conflicts}
+    out[~filled] = -1
+    return {"routed_experts": out.reshape(trie.num_tokens, *shapes[0]), "route_conflicts": conflicts}
 
 
 def build_packed_row(
