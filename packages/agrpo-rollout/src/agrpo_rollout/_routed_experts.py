@@ -129,9 +129,10 @@ class ExpertRouting:
             raise ResponseFormatError(
                 f"{request}: routed_experts is not base64 of an .npy array ({exc}); is the server vLLM >= 0.32?"
             ) from exc
-        self._check(routes, num_tokens - 1 - prompt_start, request)
+        expected = max(num_tokens - 1 - prompt_start, 0)
+        self._check(routes, expected, request)
         out = self.unrouted(num_tokens)
-        out[prompt_start : num_tokens - 1] = routes
+        out[prompt_start : prompt_start + expected] = routes
         return out
 
     def _check(self, routes: np.ndarray, expected_tokens: int, request: str) -> None:
