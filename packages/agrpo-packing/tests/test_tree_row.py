@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -232,3 +234,18 @@ def test_routes_of_different_models_in_one_row_are_refused():
     )
     with pytest.raises(PackingError, match=r"different \(num_layers, top_k\): \[\(2, 2\), \(3, 2\)\]"):
         row.pack()
+
+
+def test_benchmark_groups_with_routes_share_them_without_conflict_and_keep_their_tokens():
+    shape = GroupShape(
+        num_prompts=3, rollouts_per_prompt=4, prompt_tokens=(20, 40), completion_tokens=(8, 30)
+    )
+    plain = random_grpo_groups(shape, seed=4)
+    routed = random_grpo_groups(dataclasses.replace(shape, routed_experts=(4, 2, 16)), seed=4)
+    assert [s.input_ids.tolist() for s in plain] == [s.input_ids.tolist() for s in routed], "same token data"
+    row = TreeRow(0)
+    row.extend(routed)
+    packed = row.pack()
+    assert_row_layout(packed, routed)
+    assert packed.route_conflicts == 0 and packed.routed_experts.shape == (packed.num_tokens, 4, 2)
+    assert (packed.routed_experts >= 0).all() and (packed.routed_experts < 16).all()
