@@ -15,22 +15,21 @@ Per-trained-token arrays (sampler log-probs, top log-probs, sampling masks) foll
 tokens in order, as `agrpo_packing.PackSample` expects.
 
 MoE routes (routing replay) follow every token, and a token keeps the route of the first turn that
-forwarded it. A later turn's prompt re-sends the held tokens, and a request with
-`routed_experts_prompt_start=0` reports routes for them again. The trainer forwards the whole sequence
-once, so each position gets one route, and the two candidates serve different loss terms: the earlier
-turn's route is the one its own sampled tokens were generated with (the tokens right after it, in the same
-turn), the later turn's is the one behind the KV its later tokens attended to. They coincide whenever the
-later turn reused the earlier KV from vLLM's prefix cache (vLLM stores the routes with the cached blocks
-and returns them: the usual case); they differ only where it recomputed them (evicted blocks, the
-partial last block, batch-dependent numerics). There the first route wins: a sampled token's log-prob
-then replays exactly the routing it was sampled under, which is what the importance ratio compares, and
-the drift of later turns over recomputed context is counted (`ReconcileStats.route_conflicts`) instead of
-being silently traded for it. It is also vLLM's own intent for multi-turn replay: `routed_experts_prompt_start`
-exists to skip prompt tokens "covered by earlier turns", which the default loop does (`Conversation.routes_from`),
-so the later turn then reports only what the earlier ones could not: the last sampled token of the previous
-turn (never forwarded there) and the new context. A fork shares the held routes up to the divergence
-point, so both sequences agree on their common tokens. A sequence whose turns lack routes (not asked, or
-a custom `generate_one_turn` that returns none) carries None.
+forwarded it. Why the first: the trainer forwards the whole sequence once, so each position gets one route,
+while a later turn's request may report a held token again (with `routed_experts_prompt_start=0`). The two
+reports serve different loss terms: the earlier one is the routing the earlier turn's own sampled tokens
+were generated under, the later one is behind the KV the later turn's tokens attended to. They agree
+whenever the later turn reused the earlier KV from vLLM's prefix cache (vLLM stores the routes with the
+cached blocks and returns those: the usual case) and can differ only where it recomputed them (evicted
+blocks, a partial last block, batch-dependent numerics); then one side's loss terms see a route their
+sampler did not use, whichever is kept. Keeping the first makes every turn exact for the tokens it generated
+itself, leaves only recomputed context inexact (counted in `ReconcileStats.route_conflicts`), lets a turn's
+request skip the routes the rollout holds (vLLM's `routed_experts_prompt_start` exists for prompt tokens
+"covered by earlier turns"; `Conversation.routes_from`), so the later turn reports only what the earlier
+ones could not: the previous turn's last sampled token (never forwarded there) and the new context; and it is
+the rule packing applies to tokens samples share. A fork shares the held routes up to the divergence point,
+so both sequences agree on their common tokens. A sequence whose turns lack routes (not asked, or a custom
+`generate_one_turn` that returns none) carries None.
 """
 
 from __future__ import annotations
