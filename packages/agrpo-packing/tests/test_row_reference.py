@@ -60,3 +60,21 @@ def test_reference_logprobs_align_with_loss_terms():
         return ids[1:].double()
 
     assert torch.equal(reference_logprobs(packed, next_token_ids), packed.targets.double())
+
+
+@settings(max_examples=80, deadline=None)
+@given(grpo_groups(routes=True))
+def test_unpack_gives_each_sample_the_rows_route_at_each_of_its_tokens(samples):
+    row = TreeRow(0)
+    row.extend(samples)
+    packed = row.pack()
+    for sample, view in zip(samples, unpack(packed), strict=True):
+        if packed.routed_experts is None or not view.input_ids.numel():
+            assert view.routed_experts is None or view.input_ids.numel() == 0
+            continue
+        assert view.routed_experts.shape == (view.input_ids.numel(), *packed.routed_experts.shape[1:])
+        assert (view.routed_experts[-1] == -1).all(), "the last trained token is never forwarded"
+        if packed.route_conflicts == 0 and sample.routed_experts is not None:
+            own = torch.from_numpy(sample.routed_experts[: view.input_ids.numel() - 1])
+            routed = (own != -1).any(dim=(1, 2))
+            assert torch.equal(view.routed_experts[:-1][routed], own[routed])

@@ -68,3 +68,28 @@ def test_integer_id_arrays_of_any_width_and_untrained_samples_are_accepted():
     assert sample.input_ids.dtype == np.int64 and sample.input_ids.tolist() == [1, 2, 3]
     lone = PackSample(input_ids=[7], trained_mask=[False], group_id=0, advantages=[], sampler_logprobs=[])
     assert (lone.num_tokens, lone.num_trained) == (1, 0)
+
+
+@pytest.mark.parametrize(
+    ("routes", "message"),
+    [
+        (np.zeros((2, 4, 2), np.int16), r"shape \(2, 4, 2\); expected \(3, num_layers, top_k\)"),
+        (np.zeros((3, 4)), r"expected \(3, num_layers, top_k\)"),
+        (np.zeros((3, 4, 2), np.float32), "dtype float32; expert ids are integers"),
+        (np.full((3, 4, 2), -2), r"routed_experts\[0, 0, 0\] is -2"),
+        (np.full((3, 4, 2), 40000, np.uint16), r"is 40000: expert ids are in \[0, 32767\]"),
+    ],
+)
+def test_routes_of_the_wrong_shape_or_values_are_refused(routes, message):
+    with pytest.raises(PackingError, match=message):
+        PackSample(**_kwargs(routed_experts=routes))
+
+
+def test_routes_are_kept_per_token_as_int16():
+    routes = np.arange(3 * 4 * 2, dtype=np.uint8).reshape(3, 4, 2)
+    routes_with_gap = routes.astype(np.int64)
+    routes_with_gap[2] = -1  # the last sampled token: no route
+    for given in (routes, routes_with_gap):
+        sample = PackSample(**_kwargs(routed_experts=given))
+        assert sample.routed_experts.dtype == np.int16 and np.array_equal(sample.routed_experts, given)
+    assert PackSample(**_kwargs()).routed_experts is None

@@ -1,12 +1,16 @@
 """Fixtures of agrpo-rollout's tests: configs pointed at the session's real vLLM server, and a proxy in
 front of it for the faults a real server does not make on demand (500s, hangs, dropped connections,
-a 200 whose body is not JSON)."""
+a 200 whose body is not JSON) and for the MoE routes a CPU server cannot return (`RoutesProxy`)."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
+import json
 
 import httpx
+import numpy as np
 import pytest
 
 from agrpo_rollout import RolloutConfig
@@ -19,6 +23,10 @@ class FaultProxy:
 
     def __init__(self, upstream: str, faults: list[str]) -> None:
         self.upstream, self.faults, self.seen = upstream, list(faults), []
+
+    def rewrite(self, path: str, request: bytes, content: bytes) -> bytes:
+        """The body passed back for a forwarded answer (subclasses edit it)."""
+        return content
 
     async def __aenter__(self) -> str:
         self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
@@ -57,7 +65,7 @@ class FaultProxy:
             upstream = await self.client.request(
                 method, path, content=body, headers={"content-type": "application/json"}
             )
-            status, content = upstream.status_code, upstream.content
+            status, content = upstream.status_code, self.rewrite(path, body, upstream.content)
         writer.write(
             b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
             % (status, len(content))
@@ -65,6 +73,53 @@ class FaultProxy:
         )
         await writer.drain()
         writer.close()
+
+
+class RoutesProxy(FaultProxy):
+    """The real server's completions with `routed_experts` added to each choice as vLLM 0.32 adds it
+    (`vllm/utils/serial_utils.py` `numpy2base64` of a (prompt + completion - 1 - routed_experts_prompt_start,
+    layers, top_k) uint16 array): what a GPU server started with `--enable-return-routed-experts` returns.
+    Each token's route depends on the token only (`proxy_route`), so requests agree on shared tokens.
+    `starts` records each request's `routed_experts_prompt_start`."""
+
+    model_config = {
+        "model_type": "qwen3_moe",
+        "num_hidden_layers": 3,
+        "num_experts": 300,
+        "num_experts_per_tok": 2,
+    }
+    """The MoE model it pretends the server serves (more than 256 experts: vLLM sends uint16)."""
+
+    @classmethod
+    def route(cls, tokens: np.ndarray) -> np.ndarray:
+        """(n, 3, 2) the route of each token, whatever its position; layer 0 is dense (zeros)."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        routes = (tokens[:, None, None] * 7 + np.arange(3)[:, None] * 3 + np.arange(2)) % 300
+        routes[:, 0] = 0
+        return routes
+
+    def __init__(self, upstream: str) -> None:
+        super().__init__(upstream, [])
+        self.starts: list[int] = []
+
+    def rewrite(self, path: str, request: bytes, content: bytes) -> bytes:
+        if not path.startswith("/v1/completions"):
+            return content
+        sent, body = json.loads(request), json.loads(content)
+        start = sent.get("routed_experts_prompt_start", 0)
+        self.starts.append(start)
+        for choice in body["choices"]:
+            tokens = np.asarray(sent["prompt"] + choice["token_ids"])
+            with io.BytesIO() as buffer:
+                np.save(buffer, self.route(tokens[start:-1]).astype(np.uint16), allow_pickle=False)
+                choice["routed_experts"] = base64.b64encode(buffer.getbuffer()).decode("ascii")
+        return json.dumps(body, separators=(",", ":")).encode()
+
+
+@pytest.fixture
+def routes_proxy(vllm_server):
+    """A `RoutesProxy` in front of the session's server: `async with routes_proxy() as url`, then `.starts`."""
+    return lambda: RoutesProxy(vllm_server.url)
 
 
 @pytest.fixture

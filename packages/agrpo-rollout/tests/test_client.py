@@ -11,6 +11,7 @@ import pytest
 from agrpo_rollout import (
     RequestRejectedError,
     ResponseFormatError,
+    RolloutConfig,
     ServerConfigError,
     ServerUnavailableError,
     VLLMClient,
@@ -52,9 +53,13 @@ def test_top_k_sets_are_read_from_the_processed_log_probs_of_a_server_without_sa
     for token, members, logprob, ids, values in zip(
         turn.output_ids, turn.output_sampling_mask, turn.output_log_probs, top.ids, top.logprobs, strict=True
     ):
-        assert token in members and 1 <= len(members) < 5, "top-p cuts the near-uniform top 5 of a random model"
+        assert token in members and 1 <= len(members) < 5, (
+            "top-p cuts the near-uniform top 5 of a random model"
+        )
         assert set(ids[np.isfinite(values)].tolist()) == set(members.tolist())
-        assert np.exp(values[np.isfinite(values)]).sum() == pytest.approx(1.0, abs=1e-4), "the sampler's own law"
+        assert np.exp(values[np.isfinite(values)]).sum() == pytest.approx(1.0, abs=1e-4), (
+            "the sampler's own law"
+        )
         assert logprob == pytest.approx(float(values[ids == token][0]), abs=1e-6)
 
 
@@ -284,3 +289,15 @@ def test_a_url_that_is_no_vllm_root_fails_at_once(vllm_server, server_config):
     asyncio.run(go())
     with pytest.raises(ValueError, match=r"ends in /v1; pass the server's root \(http://h:8000\)"):
         server_config(vllm_server_base_url="http://h:8000/v1/")
+
+
+def test_requests_ask_for_routes_from_where_the_caller_lacks_them():
+    moe = {"num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2}
+    client = VLLMClient(RolloutConfig(return_routed_experts=True, model_config=moe))
+    assert client.completion_body([1, 2, 3], 4, routes_from=2)["routed_experts_prompt_start"] == 2
+    assert client.generate_body([1, 2, 3], 4)["sampling_params"]["routed_experts_prompt_start"] == 0
+    assert "routed_experts_prompt_start" not in VLLMClient(RolloutConfig()).completion_body([1], 4), (
+        "off: no field"
+    )
+    with pytest.raises(ValueError, match="routed_experts_prompt_start"):
+        RolloutConfig(extra_request_fields={"routed_experts_prompt_start": 1})

@@ -15,7 +15,8 @@ import httpx
 import numpy as np
 import pytest
 
-from agrpo_packing import PackSample
+from agrpo_packing import PackSample, TreeRow
+from agrpo_packing.testing import assert_row_layout
 from agrpo_rollout import (
     AsyncRolloutLoop,
     RequestRejectedError,
@@ -47,9 +48,11 @@ class ScriptedToolLoop(AsyncRolloutLoop):
 
     script = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 
-    async def generate_one_turn(self, prompt_ids, max_tokens=None):
+    async def generate_one_turn(self, prompt_ids, max_tokens=None, routes_from=0):
         for _ in range(20):  # the first turn keeps only plain-text sampled tokens: sample until it keeps one
-            real = await super().generate_one_turn(prompt_ids, max_tokens=min(3, max_tokens or 3))
+            real = await super().generate_one_turn(
+                prompt_ids, max_tokens=min(3, max_tokens or 3), routes_from=routes_from
+            )
             if self.tokenizer.convert_tokens_to_ids("<tool_response>") in prompt_ids:
                 return real
             turn = scripted_turn(self.tokenizer, real, self.script)
@@ -509,3 +512,62 @@ def test_a_group_that_can_no_longer_be_trained_is_cancelled_and_the_server_abort
         counts = _server_counts(vllm_server.url)
     assert counts["running"] == 0, (before, counts)  # 8 x 960 tokens would still be decoding otherwise
     assert metrics[-1]["rollout/groups_cancelled_total"] == 1.0
+
+
+class OldSignatureToolLoop(ScriptedToolLoop):
+    """An override written before `routes_from` existed: its requests ask for every route again."""
+
+    async def generate_one_turn(self, prompt_ids, max_tokens=None):
+        return await super().generate_one_turn(prompt_ids, max_tokens=max_tokens)
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("kind", ["tool", "fork", "old_signature"])
+def test_routes_reach_the_packed_row_through_turns_and_forks(
+    server_config, routes_proxy, tool_tokenizer, rewrite_tokenizer, kind
+):
+    """Real multi-turn rollouts (a tool round; a history-rewriting template that forks; an override that
+    cannot pass `routes_from`) on the real server, with the routes a GPU server adds (`RoutesProxy`, a route
+    per token id): every token a request forwarded keeps its route through turns, sequences, samples and the
+    packed row; a later turn asks only for the routes its rollout lacks; shared tokens agree, so nothing
+    conflicts."""
+    proxy = routes_proxy()
+    loop_cls = {"tool": ScriptedToolLoop, "fork": ThinkingToolLoop, "old_signature": OldSignatureToolLoop}[
+        kind
+    ]
+    tokenizer = rewrite_tokenizer if kind == "fork" else tool_tokenizer
+
+    async def go():
+        async with proxy as url:
+            config = server_config(
+                vllm_server_base_url=url,
+                max_completion_length=80,
+                return_routed_experts=True,
+                model_config=proxy.model_config,
+            )
+            loop = _add_tool_loop(loop_cls, config, tokenizer)
+            samples, groups, metrics = [], [], []
+            await loop.run(samples.append, on_group=groups.append, metrics_sink=metrics.append)
+            return samples, groups, metrics
+
+    samples, groups, metrics = asyncio.run(go())
+    group = groups[0].group
+    for rollout, sequences in zip(group.rollouts, group.completions_sequences, strict=True):
+        first, second = rollout.turns
+        skipped = (second.routed_experts[: first.prompt_ids.shape[0]] == -1).all()
+        assert skipped == (kind != "old_signature"), "the second request skips the routes the first returned"
+        assert len(sequences) == 2 or kind != "fork"
+        for sequence in sequences:
+            routes = sequence.routed_experts
+            routed = (routes != -1).any(axis=(1, 2))
+            assert np.array_equal(routes[routed], proxy.route(sequence.input_ids[routed]))
+            assert not routed[-1], "the last sampled token was never forwarded"
+        assert routed[:-1].all(), "the last sequence is routed throughout: the second turn forwarded all of it"
+    assert "rollout/route_conflicts_total" not in metrics[-1]
+    if samples:
+        packs = [PackSample(**s.pack_fields()) for s in samples]
+        row = TreeRow(0)
+        row.extend(packs)
+        packed = row.pack()
+        assert_row_layout(packed, packs)
+        assert packed.routed_experts is not None and packed.route_conflicts == 0

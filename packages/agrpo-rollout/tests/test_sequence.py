@@ -69,5 +69,80 @@ def test_samples_convert_losslessly_to_pack_samples():
     assert np.array_equal(packed.sampler_top_ids, seq.sampler_top_ids)
     assert set(sample.pack_fields()) == {
         "input_ids", "trained_mask", "group_id", "advantages", "sampler_logprobs",
-        "sampler_top_ids", "sampler_top_logprobs", "sampling_mask",
+        "sampler_top_ids", "sampler_top_logprobs", "sampling_mask", "routed_experts",
     }  # fmt: skip
+
+
+def _routed(turn: TurnRecord, start: int = 0, salt: int = 0) -> TurnRecord:
+    """`turn` with the routes a server would return from `start` on: token t at any position goes to experts
+    (t + salt, t + salt + 1) % 8 in its one MoE layer; the last output token has none."""
+    tokens = np.concatenate([turn.prompt_ids, turn.output_ids])
+    routes = np.stack([tokens + salt, tokens + salt + 1], axis=-1)[:, None, :] % 8
+    routes[:start] = -1
+    routes[-1] = -1
+    turn.routed_experts = routes.astype(np.int16)
+    return turn
+
+
+def _expected(tokens, salt=0):
+    return (
+        np.stack([np.asarray(tokens) + salt, np.asarray(tokens) + salt + 1], axis=-1)[:, None, :] % 8
+    ).tolist()
+
+
+def test_routes_carry_through_turns_with_each_token_routed_once():
+    first = _routed(_turn([1, 2, 3], [10, 11]))
+    second = _routed(_turn([1, 2, 3, 10, 11, 4, 5], [12, 13]), start=4)  # skips what the first turn routed
+    (seq,), stats = build_sequences([first, second])
+    assert seq.routed_experts.shape == (9, 1, 2) and seq.routed_experts.dtype == np.int16
+    assert seq.routed_experts[:-1].tolist() == _expected(seq.input_ids[:-1])
+    assert (seq.routed_experts[-1] == -1).all() and stats.route_conflicts == 0
+    assert seq.routed_experts[4:5].tolist() == _expected([11]), (
+        "the first turn's last token: routed by the second"
+    )
+
+
+def test_a_later_turn_that_routes_held_tokens_differently_loses_and_is_counted():
+    first = _routed(_turn([1, 2, 3], [10, 11]))
+    second = _routed(_turn([1, 2, 3, 10, 11, 4], [12]), salt=3)  # re-sends everything, routed otherwise
+    (seq,), stats = build_sequences([first, second])
+    assert seq.routed_experts[:4].tolist() == _expected([1, 2, 3, 10]), "the first turn's routes win"
+    assert seq.routed_experts[4:6].tolist() == _expected([11, 4], salt=3), "what only the later turn routed"
+    assert stats.route_conflicts == 4
+
+
+def test_a_fork_shares_the_held_routes_up_to_the_divergence_point():
+    first = _routed(_turn([1, 2, 3], [10, 11, 12]))
+    rewritten = _routed(_turn([1, 2, 3, 12, 4], [13]), salt=3)  # shares [1, 2, 3], routed otherwise
+    sequences, stats = build_sequences([first, rewritten])
+    assert stats.forks == 1 and stats.route_conflicts == 3
+    fork = sequences[1].routed_experts
+    assert fork[:3].tolist() == sequences[0].routed_experts[:3].tolist() == _expected([1, 2, 3])
+    assert fork[3:5].tolist() == _expected([12, 4], salt=3) and (fork[5] == -1).all()
+
+
+def test_a_turn_without_routes_leaves_its_sequence_without_routes():
+    (seq,), _ = build_sequences([_routed(_turn([1, 2], [3])), _turn([1, 2, 3, 4], [5])])
+    assert seq.routed_experts is None
+    (seq,), _ = build_sequences([_turn([1, 2], [3]), _routed(_turn([1, 2, 3, 4], [5]))])
+    assert seq.routed_experts is None
+
+
+def test_routes_cross_to_pack_samples_and_one_route_per_shared_token_in_a_row():
+    from agrpo_packing import TreeRow
+    from agrpo_packing.testing import assert_row_layout
+
+    samples = []
+    for output, salt in (([10, 11], 0), ([10, 12], 0), ([14, 15], 5)):
+        (seq,), _ = build_sequences([_routed(_turn([1, 2, 3], output), salt=salt)])
+        sample = RolloutSample.from_sequence(seq, advantage=1.0, group_id=0)
+        samples.append(PackSample(**sample.pack_fields()))
+    assert samples[2].routed_experts[:-1].tolist() == _expected([1, 2, 3, 14], salt=5)
+    row = TreeRow(0)
+    row.extend(samples)
+    packed = row.pack()
+    assert_row_layout(packed, samples)
+    assert packed.routed_experts.shape == (packed.num_tokens, 1, 2)
+    assert packed.route_conflicts == 2, (
+        "the third sample routed the shared nodes 1 -> 2 and 2 -> 3 differently"
+    )

@@ -4,7 +4,13 @@ import logging
 
 import pytest
 
-from agrpo_rollout import RolloutConfig, ServerConfigError, VLLMClient
+from agrpo_rollout import (
+    ResponseFormatError,
+    RolloutConfig,
+    ServerConfigError,
+    VLLMClient,
+    check_routed_experts,
+)
 
 
 def _probe(config):
@@ -45,7 +51,9 @@ def test_missing_flags_are_named(server_config, caplog):
     with pytest.raises(ServerConfigError, match="not served"):
         _probe(server_config(model_name="no-such-adapter"))
     # Without sampling masks a top-k set is read from top_k + 1 processed log-probs: 51 > --max-logprobs 20.
-    with pytest.raises(ServerConfigError, match="--max-logprobs 51.*--enable-scale-out --return-sampling-mask"):
+    with pytest.raises(
+        ServerConfigError, match="--max-logprobs 51.*--enable-scale-out --return-sampling-mask"
+    ):
         _probe(server_config(top_k=50, top_p=0.9))
     with caplog.at_level(logging.WARNING, logger="agrpo_rollout"):
         info = _probe(server_config(top_k=10, top_p=0.9))
@@ -65,3 +73,30 @@ def test_raw_logprobs_are_flagged_only_when_sampling_reshapes_the_distribution(v
     # Truncated sampling on raw log-probs cannot train (every ratio is off by the kept mass): refused.
     with pytest.raises(ServerConfigError, match="runs --logprobs-mode raw_logprobs.*processed_logprobs"):
         raw.check(RolloutConfig(max_completion_length=16, top_k=10))
+
+
+@pytest.mark.server
+def test_replay_is_refused_at_start_by_a_server_that_returns_no_routes(server_config, routes_proxy):
+    """The real CPU server cannot return routes (vLLM refuses --enable-return-routed-experts without Model
+    Runner V2), so its refusal is the real one; through `RoutesProxy` (what a GPU server with the flag
+    answers) the same check passes, and routes of another model's shape are refused."""
+    moe = {"model_type": "qwen3_moe", "num_hidden_layers": 3, "num_experts": 300, "num_experts_per_tok": 2}
+    config = server_config(return_routed_experts=True, model_config=moe)
+    with pytest.raises(
+        ServerConfigError, match="no routed_experts.*--enable-return-routed-experts.*GPU server"
+    ):
+        check_routed_experts(config)
+
+    async def through_proxy(model_config):
+        proxy = routes_proxy()
+        async with proxy as url:
+            checked = dataclasses.replace(config, vllm_server_base_url=url, model_config=model_config)
+            async with VLLMClient(checked) as client:
+                await client.probe()
+        return proxy.starts
+
+    assert asyncio.run(through_proxy(moe)) == [0], "one probe completion, routes from the first token"
+    with pytest.raises(ResponseFormatError, match="has 3 layers x 2 experts per token.*num_hidden_layers=4"):
+        asyncio.run(through_proxy({**moe, "num_hidden_layers": 4}))
+    with pytest.raises(ValueError, match="needs return_routed_experts=True"):
+        check_routed_experts(server_config())

@@ -33,3 +33,17 @@ def test_trained_tokens_need_log_probs_but_context_tokens_do_not():
         TurnRecord(prompt_ids=[1], output_ids=[3])
     turn = TurnRecord(prompt_ids=[1], output_ids=[3], output_mask=[0])
     assert turn.trained_mask.tolist() == [False]
+
+
+def test_routes_cover_prompt_and_output_tokens():
+    routes = np.zeros((4, 3, 2), dtype=np.uint8)
+    turn = TurnRecord(
+        prompt_ids=[1, 2], output_ids=[3, 4], output_log_probs=[-0.1, -0.2], routed_experts=routes
+    )
+    assert turn.routed_experts.dtype == np.int16 and turn.routed_experts.shape == (4, 3, 2)
+    with pytest.raises(
+        ValueError, match=r"routed_experts has shape \(2, 3, 2\); expected \(4, layers, top_k\)"
+    ):
+        TurnRecord(
+            prompt_ids=[1, 2], output_ids=[3, 4], output_log_probs=[-0.1, -0.2], routed_experts=routes[2:]
+        )

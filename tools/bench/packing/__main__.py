@@ -7,6 +7,10 @@ unique forwarded tokens). The target is >= 5M raw tokens/s per core, which keeps
 step when a small model's fwd+bwd consumes 100-300k tokens/s on an H200.
 
     uv run python -m tools.bench.packing [--prompts 64] [--rollouts 8] [--ranks 8] [--token-budget 32768]
+        [--routes 48,8,128]
+
+`--routes LAYERS,TOP_K,EXPERTS` gives every sample MoE routes (routing replay, issue 33): 2 x LAYERS x TOP_K
+bytes per token, so keep `--prompts` small (64 prompts of 48 x 8 routes hold about 1.4 GB).
 """
 
 from __future__ import annotations
@@ -40,6 +44,12 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=7, help="timed runs of agrpo-packing (median kept)")
     parser.add_argument("--cpu", type=int, default=0, help="core to pin to")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--routes",
+        type=str,
+        default=None,
+        help="LAYERS,TOP_K,EXPERTS: samples carry MoE routes of that shape",
+    )
     return parser.parse_args()
 
 
@@ -78,8 +88,12 @@ def main() -> None:
     args = _arguments()
     os.sched_setaffinity(0, {args.cpu})
     torch.set_num_threads(1)
+    routes = tuple(int(x) for x in args.routes.split(",")) if args.routes else None
     shape = GroupShape(
-        num_prompts=args.prompts, rollouts_per_prompt=args.rollouts, multi_turn_frac=args.multi_turn_frac
+        num_prompts=args.prompts,
+        rollouts_per_prompt=args.rollouts,
+        multi_turn_frac=args.multi_turn_frac,
+        routed_experts=routes,
     )
     samples = random_grpo_groups(shape, seed=args.seed)
     raw = sum(s.num_tokens for s in samples)
@@ -88,7 +102,8 @@ def main() -> None:
     print(
         f"data: {args.prompts} prompts x {args.rollouts} rollouts -> {len(samples)} samples (multi-turn forks "
         f"included), {raw:,} raw tokens; prompts {shape.prompt_tokens}, completions {shape.completion_tokens}, "
-        f"multi-turn {shape.multi_turn_frac:.0%}; token_budget={args.token_budget}, ranks={args.ranks}"
+        f"multi-turn {shape.multi_turn_frac:.0%}; token_budget={args.token_budget}, ranks={args.ranks}; "
+        f"MoE routes (layers, top_k, experts) {routes}"
     )
     base_s, base_ratio = _baseline(samples, args)
     tree_s, tree_plan, tree_ratio = _ours(samples, args, share=True)

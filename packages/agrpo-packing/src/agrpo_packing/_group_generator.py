@@ -40,6 +40,9 @@ class GroupShape:
     """Token ids are drawn uniformly from [0, vocab_size)."""
     sampler_top_k: int = 0
     """When > 0, every sample carries (T, K) sampler top ids and log-probs."""
+    routed_experts: tuple[int, int, int] | None = None
+    """(num_layers, top_k, num_experts): every sample carries MoE routes, a function of each token id (so
+    shared tokens agree; no random draw, the token data of a seed is unchanged). None: no routes."""
 
 
 def _turns(rng: np.random.Generator, shape: GroupShape) -> list[tuple[np.ndarray, bool]]:
@@ -68,6 +71,8 @@ def _sample(
         top_ids = rng.integers(shape.vocab_size, size=(num_trained, shape.sampler_top_k))
         top_logprobs = -np.sort(rng.exponential(size=(num_trained, shape.sampler_top_k)), axis=1)
         top = {"sampler_top_ids": top_ids, "sampler_top_logprobs": top_logprobs.astype(np.float32)}
+    if shape.routed_experts is not None:
+        top["routed_experts"] = token_routes(ids, *shape.routed_experts)
     return PackSample(
         input_ids=ids,
         trained_mask=mask,
@@ -76,6 +81,14 @@ def _sample(
         sampler_logprobs=-rng.exponential(size=num_trained).astype(np.float32),
         **top,
     )
+
+
+def token_routes(ids: np.ndarray, num_layers: int, top_k: int, num_experts: int) -> np.ndarray:
+    """(L, num_layers, top_k) int16 routes that depend on the token id only: top_k distinct experts per
+    layer (top_k <= num_experts), different per layer."""
+    ids = np.asarray(ids, dtype=np.int64)[:, None, None]
+    routes = (ids * 7 + np.arange(num_layers)[:, None] * 3 + np.arange(top_k)) % num_experts
+    return routes.astype(np.int16)
 
 
 def _rollout(rng: np.random.Generator, prompt: np.ndarray, group: int, shape: GroupShape) -> list[PackSample]:

@@ -4,7 +4,8 @@ Owns the layout and its documented invariants. Does not know how the trie was bu
 how attention consumes it (agrpo-attention).
 
 Legend: N = unique packed tokens, S = segments, P = total path length over segments
-(sum of each segment's root-to-segment K/V length), M = loss terms, K = sampler top-K.
+(sum of each segment's root-to-segment K/V length), M = loss terms, K = sampler top-K, E = MoE layers
+(`num_hidden_layers`, dense ones included), k = experts per token.
 
 Layout: segments are maximal unforked chains of trie nodes, laid out depth-first, so segment s owns
 the contiguous packed positions `q_offsets[s]:q_offsets[s+1]` and its parent comes before it.
@@ -18,6 +19,13 @@ As `TreeRow` builds it: trie nodes are keyed on (token, next token), so every po
 one token (siblings may hold the same token with different successors: forks happen one token early);
 a sample's tokens from its last trained token on predict no loss term and are not forwarded. Loss
 terms are grouped by sample in order of `TreeRow.add`, each sample's in sequence order.
+
+MoE routing replay: `routed_experts[n]` is the route of the token at packed position n, the experts it was
+routed to (as input) in each layer when the sampler forwarded it. A position shared by several samples
+holds one route: that of the first sample, in order of `TreeRow.add`, that carries one there. Samples that
+disagree there (the server routed a shared token differently in different requests, e.g. batch-dependent
+numerics or a recomputed prefix) are counted in `route_conflicts` (one per sample and position, compared
+as expert sets) and otherwise ignored; the trainer logs the count. Positions no sample routes hold -1.
 """
 
 from __future__ import annotations
@@ -66,6 +74,11 @@ class PackedRow:
     """Flat int64 candidate ids of every loss term's sampling set, term after term."""
     sampling_mask_offsets: torch.Tensor | None = None
     """(M + 1,) loss term m's set is `sampling_mask_ids[offsets[m]:offsets[m+1]]`."""
+    routed_experts: torch.Tensor | None = None
+    """(N, E, k) int16 expert ids per packed position and layer, -1 where no sample carried a route (MoE
+    routing replay, see the module docstring); present when any sample of the row carried routes."""
+    route_conflicts: int = 0
+    """(sample, position) pairs whose route disagreed with the one the row kept (see the module docstring)."""
 
     @property
     def num_tokens(self) -> int:

@@ -5,8 +5,9 @@ segments tile the row in depth-first pre-order (so a subtree is contiguous); eac
 positions equal depth; segments are maximal (a segment has 0 or >= 2 child segments); every node
 predicts exactly one token and siblings differ in (token, next token), so nothing is forwarded twice;
 every trained token of every sample is exactly one loss term whose predicting position's path spells
-the sample's preceding tokens; per-term data is the sample's, in order. Python loops over tokens: for
-tests, not for training. Does not know how the row was built.
+the sample's preceding tokens; per-term data is the sample's, in order; each position's MoE route is the
+first route a sample (in order of add) carries there, and the other samples' different routes are
+`route_conflicts`. Python loops over tokens: for tests, not for training. Does not know how the row was built.
 """
 
 from __future__ import annotations
@@ -95,6 +96,35 @@ def _check_sample(row: PackedRow, k: int, sample: PackSample) -> None:
             )
 
 
+def _check_routes(row: PackedRow, samples: Sequence[PackSample]) -> None:
+    """The route rule of `PackedRow`, token by token: first route written wins, other expert sets conflict."""
+    routed = [s for s in samples if s.routed_experts is not None]
+    if not routed:
+        assert row.routed_experts is None and row.route_conflicts == 0, "routes appeared from nowhere"
+        return
+    assert row.routed_experts is not None and row.routed_experts.dtype.is_signed, "routes went missing"
+    kept: dict[int, np.ndarray] = {}
+    conflicts = 0
+    for k, sample in enumerate(samples):
+        terms = np.flatnonzero(row.sample_index.numpy() == k)
+        if sample.routed_experts is None or not terms.size:
+            continue
+        path = token_path(row, int(row.token_index[terms[-1]])).tolist()
+        for depth, position in enumerate(path):
+            route = sample.routed_experts[depth]
+            if (route == -1).all():
+                continue
+            if position not in kept:
+                kept[position] = route
+            elif not np.array_equal(np.sort(kept[position], -1), np.sort(route, -1)):
+                conflicts += 1
+    expected = np.full(tuple(row.routed_experts.shape), -1, dtype=np.int16)
+    for position, route in kept.items():
+        expected[position] = route
+    assert np.array_equal(row.routed_experts.numpy(), expected), "routed_experts breaks first-route-wins"
+    assert row.route_conflicts == conflicts, f"route_conflicts {row.route_conflicts}, expected {conflicts}"
+
+
 def assert_row_layout(row: PackedRow, samples: Sequence[PackSample], *, shared: bool = True) -> None:
     """Raise AssertionError unless `row` is a valid packing of `samples` (in order of add). `shared=False`
     accepts rows that repeat common prefixes (plain mode, `TreeRow(..., share_prefixes=False)`)."""
@@ -105,3 +135,4 @@ def assert_row_layout(row: PackedRow, samples: Sequence[PackSample], *, shared: 
     assert row.num_loss_terms == sum(int(s.trained_mask.sum()) for s in samples)
     for k, sample in enumerate(samples):
         _check_sample(row, k, sample)
+    _check_routes(row, samples)

@@ -13,6 +13,10 @@ the owner o is the nearest earlier emitting entry with `shared[o] < shared[k]` (
 A node forks when it has two or more children (its owner's own continuation counts as one); segments
 break at forks only, so a child segment always hangs off its parent segment's last token, and a lone
 child at the end of its owner's path simply continues the owner's segment.
+
+MoE routes (`_routes`) are written per entry in order of add along its whole path: a position takes the
+first route written there; a later sample with another expert set there counts one route conflict. The
+work is per entry over its path (the raw tokens), with numpy.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ._exceptions import PackingError
 from ._packed_row import PackedRow
 from ._trie_entry import TrieEntry
 
@@ -182,6 +187,60 @@ def _sampling_mask(entries: Sequence[TrieEntry]) -> dict:
     }
 
 
+def _token_rows(routes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(n, E * k) int16 rows of an (n, E, k) route array, and the same rows as one opaque (n,) void array
+    each, so that "has a route" is one memcmp per token that stops at its first expert id."""
+    rows = np.ascontiguousarray(routes).reshape(routes.shape[0], -1)
+    return rows, rows.view(np.dtype((np.void, rows.shape[1] * rows.itemsize))).reshape(-1)
+
+
+def _slice_or_take(rows: np.ndarray, picked: np.ndarray) -> np.ndarray:
+    """`rows[picked]`; a view when the picked rows are consecutive (a shared prefix), else a copy."""
+    index = np.flatnonzero(picked)
+    if index.size and index[-1] - index[0] + 1 == index.size:
+        return rows[index[0] : index[-1] + 1]
+    return rows[index]
+
+
+def _routes(entries: Sequence[TrieEntry], sorted_entries: Sequence[TrieEntry], trie: _SortedTrie) -> dict:
+    """`routed_experts` (N, E, k) and `route_conflicts` (see the module and `PackedRow` docstrings)."""
+    routed = [e for e in entries if e.sample.routed_experts is not None]
+    if not routed:
+        return {}
+    shapes = sorted({e.sample.routed_experts.shape[1:] for e in routed})
+    if len(shapes) > 1:
+        raise PackingError(
+            f"samples of one row carry routes of different (num_layers, top_k): {shapes}; every sample's "
+            "routed_experts must come from the same model"
+        )
+    width = int(np.prod(shapes[0]))
+    out = np.empty((trie.num_tokens, width), dtype=np.int16)
+    filled = np.zeros(trie.num_tokens, dtype=bool)
+    no_route = _token_rows(np.full((1, width, 1), -1, dtype=np.int16))[1][0]
+    sorted_index = {id(e): k for k, e in enumerate(sorted_entries)}
+    conflicts = 0
+    for entry in routed:
+        if not entry.num_nodes:
+            continue
+        positions = _predicting_positions(trie, sorted_index[id(entry)], np.arange(entry.num_nodes))
+        rows, opaque = _token_rows(entry.sample.routed_experts[: entry.num_nodes])
+        has = opaque != no_route
+        new = has & ~filled[positions]
+        out[positions[new]] = _slice_or_take(rows, new)
+        filled[positions[new]] = True
+        again = has & ~new
+        if not again.any():
+            continue
+        kept, mine = out[positions[again]], _slice_or_take(rows, again)
+        differ = (kept != mine).any(axis=1)
+        if differ.any():  # same experts in another order is the same route
+            kept = np.sort(kept[differ].reshape(-1, *shapes[0]), axis=-1)
+            mine = np.sort(mine[differ].reshape(-1, *shapes[0]), axis=-1)
+            conflicts += int((kept != mine).any(axis=(1, 2)).sum())
+    out[~filled] = -1
+    return {"routed_experts": out.reshape(trie.num_tokens, *shapes[0]), "route_conflicts": conflicts}
+
+
 def build_packed_row(
     entries: Sequence[TrieEntry], sorted_entries: Sequence[TrieEntry], shared: Sequence[int]
 ) -> PackedRow:
@@ -202,6 +261,9 @@ def build_packed_row(
         **_loss_terms(entries, sorted_entries, trie),
     }
     arrays |= _sampler_top(entries, arrays["token_index"].shape[0]) | _sampling_mask(entries)
+    routes = _routes(entries, sorted_entries, trie)
+    arrays |= {k: v for k, v in routes.items() if k == "routed_experts"}
     tensors = {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in arrays.items()}
     raw = sum(e.sample.num_tokens for e in entries)
-    return PackedRow(**tensors, num_samples=len(entries), num_raw_tokens=raw)
+    conflicts = routes.get("route_conflicts", 0)
+    return PackedRow(**tensors, num_samples=len(entries), num_raw_tokens=raw, route_conflicts=conflicts)

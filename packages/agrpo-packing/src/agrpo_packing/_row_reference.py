@@ -43,6 +43,9 @@ class UnpackedSample:
     """(T,) position in `input_ids` whose next-token prediction is each loss term (trained position - 1)."""
     loss_terms: torch.Tensor
     """(T,) indices of these loss terms in the row."""
+    routed_experts: torch.Tensor | None = None
+    """(L, E, k) the row's MoE route at each of these tokens (the last one, never forwarded, gets -1); None
+    when the row carries no routes."""
 
 
 def unpack(row: PackedRow) -> list[UnpackedSample]:
@@ -58,7 +61,15 @@ def unpack(row: PackedRow) -> list[UnpackedSample]:
         path = token_path(row, int(row.token_index[last]))
         input_ids = torch.cat([row.input_ids[path], row.targets[last : last + 1]])
         positions = row.position_ids[row.token_index[terms]]
-        out.append(UnpackedSample(input_ids=input_ids, loss_positions=positions, loss_terms=terms))
+        routes = None
+        if row.routed_experts is not None:
+            unrouted = row.routed_experts.new_full((1, *row.routed_experts.shape[1:]), -1)
+            routes = torch.cat([row.routed_experts[path], unrouted])
+        out.append(
+            UnpackedSample(
+                input_ids=input_ids, loss_positions=positions, loss_terms=terms, routed_experts=routes
+            )
+        )
     return out
 
 

@@ -7,6 +7,8 @@ Shapes: L = sequence length, T = number of trained tokens (`trained_mask.sum()`)
 log-probs per trained token. Per-trained-token arrays are aligned to the trained tokens in order, i.e.
 to the loss terms: entry j belongs to the j-th position i with `trained_mask[i]`, which is predicted by
 position i - 1.
+`routed_experts` is the one per-token array aligned to all of `input_ids` (MoE routing replay): (L,
+num_layers, top_k), -1 for a token without a route.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import numpy as np
 from ._exceptions import PackingError
 
 _MAX_TOKEN_ID = np.iinfo(np.int64).max
+_MAX_EXPERT_ID = np.iinfo(np.int16).max
 
 
 @dataclass(kw_only=True, slots=True)
@@ -43,6 +46,10 @@ class PackSample:
     """(T, K) float32 log-probs of `sampler_top_ids`, -inf where the id is -1."""
     sampling_mask: Sequence[np.ndarray] | None = None
     """T arrays of int ids: the candidate set (after top-k/top-p) each trained token was sampled from."""
+    routed_experts: np.ndarray | None = None
+    """(L, num_layers, top_k) int expert ids each token (as input) was routed to by the sampler, per layer
+    (MoE routing replay), stored as int16; -1 in every slot of a token without a route. Aligned to all of
+    `input_ids`, not to trained tokens. None: the sample carries no routes."""
 
     def __post_init__(self) -> None:
         self.input_ids = _token_ids(self.input_ids)
@@ -81,6 +88,8 @@ class PackSample:
             raise PackingError(
                 f"sampling_mask has {len(self.sampling_mask)} sets for {num_trained} trained tokens"
             )
+        if self.routed_experts is not None:
+            self.routed_experts = _routes(self.routed_experts, length)
 
     @staticmethod
     def _check_per_trained(name: str, values: np.ndarray, num_trained: int) -> None:
@@ -130,6 +139,26 @@ def _token_ids(values) -> np.ndarray:
             "padding (-100, -1) left in the sequence: strip it before making the sample"
         )
     return ids
+
+
+def _routes(values, length: int) -> np.ndarray:
+    """`values` as (L, num_layers, top_k) int16, refusing what replay could not use: another length than
+    `input_ids`, floats, and ids below -1 (the no-route marker) or beyond int16."""
+    routes = np.asarray(values)
+    if routes.ndim != 3 or routes.shape[0] != length:
+        raise PackingError(
+            f"routed_experts has shape {routes.shape}; expected ({length}, num_layers, top_k): one route per "
+            "token of input_ids (-1 for a token without one), not per trained token"
+        )
+    if routes.dtype.kind not in "iu":
+        raise PackingError(f"routed_experts has dtype {routes.dtype}; expert ids are integers (-1: no route)")
+    if routes.size and (int(routes.min()) < -1 or int(routes.max()) > _MAX_EXPERT_ID):
+        bad = np.argwhere((routes < -1) | (routes > _MAX_EXPERT_ID))[0]
+        raise PackingError(
+            f"routed_experts[{', '.join(map(str, bad))}] is {int(routes[tuple(bad)])}: expert ids are in "
+            f"[0, {_MAX_EXPERT_ID}], and -1 marks a token without a route"
+        )
+    return routes.astype(np.int16, copy=False)
 
 
 def _finite_float32(name: str, values, why: str) -> np.ndarray:

@@ -59,10 +59,36 @@ def _draw_sequence(
     return ids, mask
 
 
-def _pack_sample(ids, mask, group_id, rng, with_top: bool, with_mask: bool, vocab_size: int) -> PackSample:
+ROUTE_SHAPE = (3, 2)
+"""(num_layers, top_k) of the routes `grpo_groups(routes=True)` draws, expert ids in [0, 4)."""
+
+
+def _routes(ids: np.ndarray, rng: np.random.Generator) -> np.ndarray | None:
+    """A sample's MoE routes for `grpo_groups(routes=True)`: a function of (token, depth), so shared
+    prefixes agree, except that some samples carry none, some disagree at random tokens, and some leave
+    random tokens without a route (-1)."""
+    kind = rng.integers(6)
+    if kind == 0:
+        return None
+    depth = np.arange(ids.shape[0])
+    layer, slot = np.arange(ROUTE_SHAPE[0]), np.arange(ROUTE_SHAPE[1])
+    routes = (ids[:, None, None] + depth[:, None, None] + layer[:, None] + 2 * slot) % 4
+    picked = rng.random(ids.shape[0]) < 0.2
+    if kind == 1:
+        routes[picked] = (routes[picked] + 1) % 4
+    elif kind == 2:
+        routes[picked] = -1
+    return routes.astype(np.int16)
+
+
+def _pack_sample(
+    ids, mask, group_id, rng, with_top: bool, with_mask: bool, vocab_size: int, with_routes: bool = False
+) -> PackSample:
     ids, mask = np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)
     num_trained = int(mask.sum())
     extra = {}
+    if with_routes:
+        extra["routed_experts"] = _routes(ids, rng)
     if with_top:
         extra["sampler_top_ids"] = rng.integers(vocab_size, size=(num_trained, 2))
         extra["sampler_top_logprobs"] = -rng.exponential(size=(num_trained, 2)).astype(np.float32)
@@ -89,6 +115,7 @@ def grpo_groups(
     max_completion_tokens: int = 6,
     vocab_size: int = 3,
     sampler_data: bool = True,
+    routes: bool = False,
 ):
     """Hypothesis strategy for `list[PackSample]`: random GRPO groups that stress prefix sharing.
 
@@ -98,7 +125,8 @@ def grpo_groups(
     any point (partial shared history, its trained flags kept or turned to context) plus new tokens;
     an exact duplicate; a single trained token; a short sequence with nothing trained. A tiny
     `vocab_size` makes accidental sharing across groups common. Samples come group after group or
-    shuffled. With `sampler_data`, all samples or none carry sampler top-2 data and sampling masks.
+    shuffled. With `sampler_data`, all samples or none carry sampler top-2 data and sampling masks. With
+    `routes`, samples carry MoE routes of `ROUTE_SHAPE` (some none, some conflicting, some partial).
     Token ids are in [0, vocab_size), so a model with that vocabulary can forward them."""
     from hypothesis import strategies as st
 
@@ -119,7 +147,9 @@ def grpo_groups(
                 group.append(
                     _draw_sequence(draw, st, draw(st.sampled_from(SEQUENCE_KINDS)), prompt, group, tokens)
                 )
-            samples += [_pack_sample(i, m, group_id, rng, with_top, with_mask, vocab_size) for i, m in group]
+            samples += [
+                _pack_sample(i, m, group_id, rng, with_top, with_mask, vocab_size, routes) for i, m in group
+            ]
         if draw(st.booleans()):
             samples = [samples[i] for i in draw(st.permutations(range(len(samples))))]
         return samples

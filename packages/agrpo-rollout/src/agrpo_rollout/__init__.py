@@ -4,7 +4,7 @@ from importlib.metadata import PackageNotFoundError as _PackageNotFoundError
 from importlib.metadata import version as _version
 
 from ._assistant_message import AssistantMessage
-from ._client import VLLMClient
+from ._client import VLLMClient, check_routed_experts
 from ._completion_response import decode_completion, decode_generate
 from ._concurrency import ConcurrencyController
 from ._config import RolloutConfig
@@ -24,6 +24,7 @@ from ._group import RolloutGroup, group_advantages, is_trainable
 from ._group_outcome import GroupOutcome
 from ._loop import AsyncRolloutLoop
 from ._rollout import Rollout
+from ._routed_experts import ExpertRouting
 from ._sample import PACK_FIELDS, RolloutSample
 from ._sequence import ReconcileStats, TrainingSequence, build_sequences
 from ._server import ServerInfo
@@ -42,6 +43,7 @@ __all__ = [
     "AsyncRolloutLoop",
     "ConcurrencyController",
     "DatasetError",
+    "ExpertRouting",
     "GroupOutcome",
     "PACK_FIELDS",
     "PromptsExhaustedError",
@@ -68,6 +70,7 @@ __all__ = [
     "TurnRecord",
     "VLLMClient",
     "build_sequences",
+    "check_routed_experts",
     "decode_completion",
     "decode_generate",
     "group_advantages",

@@ -19,6 +19,10 @@ before the retry, so the next attempt goes to a server that was checked. Request
 start-up probe, the pool's own checks) are not gated. The client also counts its generation requests in
 flight and when one last finished (`stalled_s`): a server paused by `/pause` holds them without an error,
 which is how `ServerPause` (`_server_pause.py`) sees it.
+
+With `return_routed_experts`, each sampling request sends `routed_experts_prompt_start` (the caller's
+`routes_from`) and the decoders return each token's MoE route (`_routed_experts.py`);
+`check_routed_experts` is the start-up check a trainer calls before it spawns its rollout process.
 """
 
 from __future__ import annotations
@@ -88,6 +92,8 @@ class VLLMClient:
         self._transport = transport
         self._http: httpx.AsyncClient | None = None
         self._own_seeds = None if config.seed is None else RequestSeeds(config.seed)
+        self.routing = config.expert_routing
+        """The routes' expected shape when `return_routed_experts` is on (parsed once), else None."""
         self._retry_logged_at = float("-inf")
         self._retries_since_log = 0
 
@@ -240,24 +246,35 @@ class VLLMClient:
         return ServerLoad.from_text(response.text) if response.status_code == 200 else None
 
     async def sample(
-        self, prompt_ids: list[int] | np.ndarray, *, max_tokens: int | None = None
+        self, prompt_ids: list[int] | np.ndarray, *, max_tokens: int | None = None, routes_from: int = 0
     ) -> TurnRecord:
-        """Sample one completion of `prompt_ids` with the config's sampling parameters."""
+        """Sample one completion of `prompt_ids` with the config's sampling parameters. With
+        `return_routed_experts`, the server returns routes from prompt position `routes_from` on (earlier
+        turns of the rollout hold the ones before; the turn's record has -1 there)."""
         server = self.server or await self.probe()
         prompt = [int(t) for t in prompt_ids]
         room = server.max_model_len - len(prompt)
         max_tokens = min(max_tokens or self.config.max_completion_length, room)
         if max_tokens <= 0:
-            return TurnRecord(prompt_ids=prompt, output_ids=[], output_log_probs=[], finish_reason="length")
+            unrouted = None if self.routing is None else self.routing.unrouted(len(prompt))
+            return TurnRecord(
+                prompt_ids=prompt,
+                output_ids=[],
+                output_log_probs=[],
+                finish_reason="length",
+                routed_experts=unrouted,
+            )
         num_top = self.config.num_sampler_logprobs
+        routes = {"routing": self.routing, "routes_from": routes_from}
         if server.uses_generate_endpoint:
-            body = self.generate_body(prompt, max_tokens)
+            body = self.generate_body(prompt, max_tokens, routes_from=routes_from)
             response = await self.request("POST", GENERATE_PATH, json=body)
-            return decode_generate(response.content, prompt, num_top)
-        response = await self.request("POST", COMPLETIONS_PATH, json=self.completion_body(prompt, max_tokens))
+            return decode_generate(response.content, prompt, num_top, **routes)
+        body = self.completion_body(prompt, max_tokens, routes_from=routes_from)
+        response = await self.request("POST", COMPLETIONS_PATH, json=body)
         if not self.config.truncates_vocabulary:
-            return decode_completion(response.content, prompt, num_top)
-        turn = decode_completion(response.content, prompt, candidate_logprobs(self.config))
+            return decode_completion(response.content, prompt, num_top, **routes)
+        turn = decode_completion(response.content, prompt, candidate_logprobs(self.config), **routes)
         if turn.output_sampler_logprobs is not None:  # candidate sets from the processed log-probs
             turn.output_sampler_logprobs, turn.output_sampling_mask = split_candidate_sets(
                 turn.output_sampler_logprobs, turn.output_ids, self.config, self.base_url
@@ -271,14 +288,17 @@ class VLLMClient:
             return name.format(version=POLICY_VERSION.get())
         return self.server.model_name if self.server else name
 
-    def _sampling_fields(self) -> dict[str, Any]:
-        """The config's sampling parameters, plus this request's seed when the config has one."""
+    def _sampling_fields(self, routes_from: int = 0) -> dict[str, Any]:
+        """The config's sampling parameters, plus this request's seed when the config has one, and where
+        routes start when it asks for routes."""
         fields = self.config.sampling_fields()
         if self.config.seed is not None:
             fields["seed"] = (REQUEST_SEEDS.get() or self._own_seeds).next()
+        if self.routing is not None:
+            fields["routed_experts_prompt_start"] = routes_from
         return fields
 
-    def completion_body(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    def completion_body(self, prompt: list[int], max_tokens: int, *, routes_from: int = 0) -> dict[str, Any]:
         """`/v1/completions` body: token-id prompt, ids as ids (distinct tokens never collapse). The
         client's own fields come last, so `extra_request_fields` can never replace them."""
         return {
@@ -291,10 +311,10 @@ class VLLMClient:
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
             "skip_special_tokens": False,
-            **self._sampling_fields(),
+            **self._sampling_fields(routes_from),
         }
 
-    def generate_body(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    def generate_body(self, prompt: list[int], max_tokens: int, *, routes_from: int = 0) -> dict[str, Any]:
         """`/inference/v1/generate` body; asks for one extra log-prob so the top K survive a sampled token
         outside them (see `decode_generate`), and for no detokenisation."""
         num_top = self.config.num_sampler_logprobs
@@ -307,6 +327,24 @@ class VLLMClient:
                 "n": 1,
                 "logprobs": num_top + 1 if num_top else 0,
                 "detokenize": False,
-                **self._sampling_fields(),
+                **self._sampling_fields(routes_from),
             },
         }
+
+
+def check_routed_experts(config: RolloutConfig) -> None:
+    """Start-up check of MoE routing replay, for callers outside an event loop (the trainer, before it
+    spawns its rollout process): probe every server of `config` as a rollout loop would, which for
+    `return_routed_experts=True` samples one token and raises `ServerConfigError` naming
+    `--enable-return-routed-experts` when the server returns no routes (a CPU server never does), or
+    `ResponseFormatError` when they do not fit `model_config`. A dense `model_config` was already refused
+    by `RolloutConfig`."""
+    if not config.return_routed_experts:
+        raise ValueError("check_routed_experts needs return_routed_experts=True in the config it checks")
+
+    async def probe_all() -> None:
+        for url in config.server_urls:
+            async with VLLMClient(config, base_url=url) as client:
+                await client.probe()
+
+    asyncio.run(probe_all())

@@ -16,6 +16,8 @@ path (`json.loads`), which is also the reference the tests compare against. The 
 numpy calls cost about 60 us whatever the length, so a `top_logprobs` array under
 `SMALL_TOP_LOGPROBS_BYTES` (a short tool turn) is read by `json.loads` of that array alone, which is
 faster there. A body that is not JSON raises `ResponseFormatError`. Cost: `tools/bench/rollout_client`.
+MoE routes (`routed_experts`, a base64 string in the choice) are decoded only when a caller passes an
+`ExpertRouting` (`_routed_experts.py`), in bulk by numpy.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import msgspec
 import numpy as np
 
 from ._exceptions import ResponseFormatError
+from ._routed_experts import ExpertRouting
 from ._top_logprobs_json import decode_top_logprobs
 from ._turn import TopLogprobs, TurnRecord
 
@@ -35,8 +38,8 @@ SMALL_TOP_LOGPROBS_BYTES = 6144
 """A `top_logprobs` array shorter than this (about 20 tokens with 8 log-probs each) is decoded by
 `json.loads`: the bulk decoder's ~90 numpy calls cost a fixed ~60 us that `json.loads` only spends
 above it (`tools/bench/rollout_client/response_size.py`)."""
-_Decoded = tuple[str | None, np.ndarray, np.ndarray, TopLogprobs | None]
-"""finish_reason, (T,) token ids, (T,) sampled log-probs, top log-probs."""
+_Decoded = tuple[str | None, np.ndarray, np.ndarray, TopLogprobs | None, str | None, str | None]
+"""finish_reason, (T,) token ids, (T,) sampled log-probs, top log-probs, routed_experts (base64), response id."""
 _TOP_START = b'"top_logprobs":[{'
 _FLOATS = msgspec.json.Decoder(list[float])
 
@@ -50,10 +53,12 @@ class _CompletionChoice(msgspec.Struct):
     token_ids: list[int] | None = None
     logprobs: _CompletionLogprobs | None = None
     finish_reason: str | None = None
+    routed_experts: str | None = None
 
 
 class _Completion(msgspec.Struct):
     choices: list[_CompletionChoice]
+    id: str | None = None
 
 
 class _GenerateLogprob(msgspec.Struct):
@@ -78,10 +83,12 @@ class _GenerateChoice(msgspec.Struct):
     logprobs: _GenerateLogprobs | None = None
     finish_reason: str | None = None
     sampling_mask: list[list[int]] | None = None
+    routed_experts: str | None = None
 
 
 class _Generate(msgspec.Struct):
     choices: list[_GenerateChoice]
+    request_id: str | None = None
 
 
 _COMPLETION = msgspec.json.Decoder(_Completion)
@@ -107,15 +114,17 @@ def _floor_to_inf(logprobs: np.ndarray) -> np.ndarray:
 
 
 def _fast(raw: bytes, num_top: int):
-    """(choice, token ids, sampled log-probs, (T, K) ids, (T, K) log-probs) or None: see the module doc."""
+    """(response id, choice, token ids, sampled log-probs, (T, K) ids, (T, K) log-probs) or None: see the
+    module doc."""
     lo = raw.find(_TOP_START) + len(_TOP_START) - 2
     hi = raw.find(b"]", lo)
     if lo < 32 or hi < 0:
         return None
     try:
-        choices = _COMPLETION.decode(raw[:lo] + b"0" + raw[hi + 1 :]).choices
+        envelope = _COMPLETION.decode(raw[:lo] + b"0" + raw[hi + 1 :])
     except msgspec.DecodeError:
         return None
+    choices = envelope.choices
     choice = choices[0] if choices else None
     if choice is None or choice.token_ids is None or choice.logprobs is None:
         return None
@@ -123,11 +132,12 @@ def _fast(raw: bytes, num_top: int):
         return None
     token_ids = np.asarray(choice.token_ids, dtype=np.int64)
     if hi - lo < SMALL_TOP_LOGPROBS_BYTES:
-        return _small_top(raw[lo : hi + 1], choice, token_ids, num_top)
+        small = _small_top(raw[lo : hi + 1], choice, token_ids, num_top)
+        return None if small is None else (envelope.id, *small)
     decoded = decode_top_logprobs(raw, lo, hi, num_top)
     if decoded is None or decoded[0].shape != token_ids.shape or (decoded[0] != token_ids).any():
         return None
-    return choice, token_ids, *decoded[1:]
+    return envelope.id, choice, token_ids, *decoded[1:]
 
 
 def _small_top(array: bytes, choice: _CompletionChoice, token_ids: np.ndarray, num_top: int):
@@ -180,7 +190,8 @@ def _decode_plain(raw: bytes, num_top: int) -> _Decoded:
     if num_top > 0:
         ids, values = _top_arrays(logprobs.get("top_logprobs") or [], len(sampled), num_top)
         top = TopLogprobs(ids=ids, logprobs=_floor_to_inf(values))
-    return choice.get("finish_reason"), np.asarray(choice["token_ids"], dtype=np.int64), sampled, top
+    token_ids = np.asarray(choice["token_ids"], dtype=np.int64)
+    return choice.get("finish_reason"), token_ids, sampled, top, choice.get("routed_experts"), body.get("id")
 
 
 def _decode_fast(raw: bytes, num_top: int) -> _Decoded | None:
@@ -188,12 +199,14 @@ def _decode_fast(raw: bytes, num_top: int) -> _Decoded | None:
     fast = _fast(raw, num_top)
     if fast is None:
         return None
-    choice, token_ids, sampled, top_ids, top_logprobs = fast
+    response_id, choice, token_ids, sampled, top_ids, top_logprobs = fast
     return (
         choice.finish_reason,
         token_ids,
         sampled,
         TopLogprobs(ids=top_ids, logprobs=_floor_to_inf(top_logprobs)),
+        choice.routed_experts,
+        response_id,
     )
 
 
@@ -201,45 +214,86 @@ def _decode_envelope(raw: bytes) -> _Decoded | None:
     """No top log-probs asked: msgspec decodes the envelope and skips `top_logprobs` unparsed; None for a
     null log-prob (the plain path keeps it as NaN)."""
     try:
-        choice = _first_choice(_COMPLETION.decode(raw).choices, raw)
+        envelope = _COMPLETION.decode(raw)
     except msgspec.DecodeError as exc:
         raise _not_a_completion(raw, exc) from exc
+    choice = _first_choice(envelope.choices, raw)
     if choice.logprobs is None or bytes(choice.logprobs.token_logprobs) == b"null":
         raise ResponseFormatError("response has no logprobs; the request must set logprobs >= 0")
     try:
         sampled = np.asarray(_FLOATS.decode(choice.logprobs.token_logprobs), dtype=np.float32)
     except msgspec.DecodeError:
         return None
-    return choice.finish_reason, np.asarray(choice.token_ids, dtype=np.int64), sampled, None
+    token_ids = np.asarray(choice.token_ids, dtype=np.int64)
+    return choice.finish_reason, token_ids, sampled, None, choice.routed_experts, envelope.id
+
+
+def _routes(
+    routing: ExpertRouting | None,
+    encoded: str | None,
+    response_id: str | None,
+    num_tokens: tuple[int, int],
+    finish_reason: str | None,
+    routes_from: int,
+) -> np.ndarray | None:
+    """The per-token routes of one response (`ExpertRouting.decode`), or None when not asked for. A request
+    aborted before its first forward (a pause in abort mode) has none to return: every token is unrouted."""
+    if routing is None:
+        return None
+    num_prompt, num_output = num_tokens
+    if encoded is None and finish_reason == "abort":
+        return routing.unrouted(num_prompt + num_output)
+    request = f"response {response_id} (prompt of {num_prompt} tokens, {num_output} sampled)"
+    return routing.decode(
+        encoded, num_tokens=num_prompt + num_output, prompt_start=routes_from, request=request
+    )
 
 
 def decode_completion(
-    raw: bytes, prompt_ids: Sequence[int] | np.ndarray, num_top: int, *, reference: bool = False
+    raw: bytes,
+    prompt_ids: Sequence[int] | np.ndarray,
+    num_top: int,
+    *,
+    reference: bool = False,
+    routing: ExpertRouting | None = None,
+    routes_from: int = 0,
 ) -> TurnRecord:
-    """Turn a `/v1/completions` response body into a `TurnRecord` (fast path unless `reference`)."""
+    """Turn a `/v1/completions` response body into a `TurnRecord` (fast path unless `reference`); with
+    `routing`, also its MoE routes (the request sent `routed_experts_prompt_start=routes_from`)."""
     decoded = None
     if not reference:
         decoded = _decode_fast(raw, num_top) if num_top > 0 else _decode_envelope(raw)
-    finish_reason, token_ids, sampled, top = decoded or _decode_plain(raw, num_top)
+    finish_reason, token_ids, sampled, top, encoded, response_id = decoded or _decode_plain(raw, num_top)
+    sizes = (len(prompt_ids), token_ids.shape[0])
     return TurnRecord(
         prompt_ids=prompt_ids,
         output_ids=token_ids,
         output_log_probs=sampled,
         output_sampler_logprobs=top,
         finish_reason=finish_reason,
+        routed_experts=_routes(routing, encoded, response_id, sizes, finish_reason, routes_from),
     )
 
 
-def decode_generate(raw: bytes, prompt_ids: Sequence[int] | np.ndarray, num_top: int) -> TurnRecord:
-    """Turn an `/inference/v1/generate` body into a `TurnRecord`, sampling masks included.
+def decode_generate(
+    raw: bytes,
+    prompt_ids: Sequence[int] | np.ndarray,
+    num_top: int,
+    *,
+    routing: ExpertRouting | None = None,
+    routes_from: int = 0,
+) -> TurnRecord:
+    """Turn an `/inference/v1/generate` body into a `TurnRecord`, sampling masks included (and MoE routes
+    with `routing`, as in `decode_completion`).
 
     The request asked for `num_top + 1` log-probs; entries are kept by their rank (1..num_top), so the
     sampled token, listed first, is dropped when it is outside the top `num_top`.
     """
     try:
-        choice = _first_choice(_GENERATE.decode(raw).choices, raw)
+        envelope = _GENERATE.decode(raw)
     except msgspec.DecodeError as exc:
         raise _not_a_completion(raw, exc) from exc
+    choice = _first_choice(envelope.choices, raw)
     content = choice.logprobs.content if choice.logprobs is not None else None
     if content is None or len(content) != len(choice.token_ids):
         raise ResponseFormatError(
@@ -262,4 +316,12 @@ def decode_generate(raw: bytes, prompt_ids: Sequence[int] | np.ndarray, num_top:
         output_sampler_logprobs=top,
         output_sampling_mask=choice.sampling_mask,
         finish_reason=choice.finish_reason,
+        routed_experts=_routes(
+            routing,
+            choice.routed_experts,
+            envelope.request_id,
+            (len(prompt_ids), len(choice.token_ids)),
+            choice.finish_reason,
+            routes_from,
+        ),
     )

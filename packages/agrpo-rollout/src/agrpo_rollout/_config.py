@@ -9,14 +9,19 @@ gradient_accumulation_steps * num_processes`). Checks that need the server (max_
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
+
+from ._routed_experts import ExpertRouting
+
+logger = logging.getLogger("agrpo_rollout")
 
 CLIENT_REQUEST_FIELDS = frozenset(
     {
         "model", "prompt", "token_ids", "sampling_params", "max_tokens", "n", "logprobs", "return_token_ids",
         "return_tokens_as_token_ids", "skip_special_tokens", "detokenize", "temperature", "top_p", "top_k",
-        "min_p", "repetition_penalty", "seed",
+        "min_p", "repetition_penalty", "seed", "routed_experts_prompt_start",
     }
 )  # fmt: skip
 """Request fields `VLLMClient` sets itself from the config (both routes); `extra_request_fields` may not."""
@@ -83,6 +88,14 @@ class RolloutConfig:
     extra_request_fields: dict[str, Any] = field(default_factory=dict)
     """Extra fields merged into every sampling request (e.g. `{"stop": ["</answer>"]}`); none of
     `CLIENT_REQUEST_FIELDS`, which the fields above set."""
+    return_routed_experts: bool = False
+    """MoE routing replay: decode the experts the server routed every token to (`TurnRecord`,
+    `RolloutSample.routed_experts`) and check their shape against `model_config`. Needs a server started
+    with `--enable-return-routed-experts` (Model Runner V2: a GPU server); refused at start-up otherwise."""
+    model_config: dict[str, Any] | None = None
+    """The served model's `config.json` as a dict (the trainer passes `model.config.to_dict()`): its
+    `num_hidden_layers`, `num_experts_per_tok` and `num_experts` / `num_local_experts` bound the routes.
+    Required by `return_routed_experts`, unused otherwise."""
 
     def __post_init__(self) -> None:
         self._check_sampling()
@@ -111,6 +124,18 @@ class RolloutConfig:
             raise ValueError(
                 f"max_tool_calling_iterations={self.max_tool_calling_iterations}; use None or >= 0"
             )
+        self._check_routed_experts()
+
+    def _check_routed_experts(self) -> None:
+        if self.return_routed_experts and self.model_config is None:
+            raise ValueError(
+                "return_routed_experts=True needs model_config, the served model's config.json as a dict (e.g. "
+                "model.config.to_dict()), to check the routes' layers, experts per token and expert ids"
+            )
+        if self.return_routed_experts:
+            ExpertRouting.from_model_config(self.model_config)  # a dense model is refused here, up front
+        elif self.model_config is not None:
+            logger.warning("model_config is set but return_routed_experts=False: it is not used")
 
     @property
     def server_urls(self) -> tuple[str, ...]:
@@ -172,6 +197,13 @@ class RolloutConfig:
             raise ValueError(
                 f"min_p={self.min_p} needs 0 <= min_p <= 1 and top_k > 0; set top_k or min_p=None"
             )
+
+    @property
+    def expert_routing(self) -> ExpertRouting | None:
+        """The routes' expected shape when `return_routed_experts` is on, else None."""
+        if not self.return_routed_experts or self.model_config is None:
+            return None
+        return ExpertRouting.from_model_config(self.model_config)
 
     @property
     def truncates_vocabulary(self) -> bool:

@@ -11,7 +11,11 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ._assistant_message import AssistantMessage
+from ._routed_experts import routed_tokens
+from ._sequence import common_prefix_length
 from ._turn import TurnRecord
 
 
@@ -61,7 +65,26 @@ class Conversation:
     tool_failures: int = 0
     tool_rounds: int = 0
 
-    def add_turn(self, turn: TurnRecord, message: AssistantMessage) -> None:
+    routed_prefix: int = 0
+    """Leading tokens of the last turn's prompt + output that this rollout's turns hold MoE routes for: up to
+    the first token no request forwarded (a turn's last sampled token, tokens a test loop dictated)."""
+
+    def routes_from(self, prompt_ids: list[int]) -> int:
+        """Where the next turn's MoE routes should start (`routed_experts_prompt_start`): the leading prompt
+        tokens the rollout already holds routes for and shares with the last turn. 0 without routes."""
+        if not self.turns or self.turns[-1].routed_experts is None:
+            return 0
+        last = self.turns[-1]
+        held = np.concatenate([last.prompt_ids, last.output_ids])
+        return min(common_prefix_length(held, np.asarray(prompt_ids, dtype=np.int64)), self.routed_prefix)
+
+    def add_turn(self, turn: TurnRecord, message: AssistantMessage, routes_from: int = 0) -> None:
+        """Record a turn whose request asked for routes from `routes_from` on."""
+        if turn.routed_experts is not None:
+            unrouted = np.flatnonzero(~routed_tokens(turn.routed_experts[routes_from:]))
+            self.routed_prefix = routes_from + int(
+                unrouted[0] if unrouted.size else turn.routed_experts.shape[0] - routes_from
+            )
         self.turns.append(turn)
         self.completion_ids.extend(turn.output_ids.tolist())
         self.budget -= turn.num_output_tokens

@@ -116,9 +116,12 @@ class AsyncRolloutLoop:
     async def close(self) -> None:
         """Release what `setup` created; runs when the loop stops, also after a failure. Default: nothing."""
 
-    async def generate_one_turn(self, prompt_ids: list[int], max_tokens: int | None = None) -> TurnRecord:
-        """One vLLM sampling request with the config's sampling parameters (`max_tokens` caps the turn)."""
-        return await self.client.sample(prompt_ids, max_tokens=max_tokens)
+    async def generate_one_turn(
+        self, prompt_ids: list[int], max_tokens: int | None = None, routes_from: int = 0
+    ) -> TurnRecord:
+        """One vLLM sampling request with the config's sampling parameters (`max_tokens` caps the turn;
+        `routes_from`: the first prompt position whose MoE routes to return, see `VLLMClient.sample`)."""
+        return await self.client.sample(prompt_ids, max_tokens=max_tokens, routes_from=routes_from)
 
     async def generate_one(self, prompt: Any, tools: Any, group_id: int = 0) -> Rollout:
         """One rollout: the multi-turn tool loop for message prompts, one turn for text prompts."""
@@ -132,12 +135,13 @@ class AsyncRolloutLoop:
             prompt_ids = render_prompt(self.tokenizer, talk.messages, toolbox.schemas, kwargs)
             if not talk.turns:
                 self._check_prompt_fits(prompt_ids)
-            turn = await self._turn(prompt_ids, talk.budget)
+            routes_from = talk.routes_from(prompt_ids)
+            turn = await self._turn(prompt_ids, talk.budget, routes_from)
             message = parse_assistant_turn(
                 self.tokenizer, turn.output_ids, turn.prompt_ids, self._parser_kind
             )
             self.metrics.parse_failure_total += message.parse_error is not None
-            talk.add_turn(turn, message)
+            talk.add_turn(turn, message, routes_from if self._turn_takes_routes_from else 0)
             if not message.tool_calls or not toolbox or talk.budget <= 0 or not turn.stopped:
                 break
             limit = self.config.max_tool_calling_iterations
@@ -165,10 +169,14 @@ class AsyncRolloutLoop:
 
     # ---- helpers of the default steps ------------------------------------------------------------
 
-    async def _turn(self, prompt_ids: list[int], budget: int) -> TurnRecord:
+    async def _turn(self, prompt_ids: list[int], budget: int, routes_from: int = 0) -> TurnRecord:
+        """`generate_one_turn` with the keywords its override takes (older overrides take neither)."""
+        kwargs: dict[str, int] = {}
         if self._turn_takes_max_tokens:
-            return await self.generate_one_turn(prompt_ids, max_tokens=budget)
-        return await self.generate_one_turn(prompt_ids)
+            kwargs["max_tokens"] = budget
+        if self._turn_takes_routes_from and routes_from:
+            kwargs["routes_from"] = routes_from
+        return await self.generate_one_turn(prompt_ids, **kwargs)
 
     def _check_prompt_fits(self, prompt_ids: list[int]) -> None:
         """A prompt that fills the server's context yields an empty, untrainable rollout: count and say so."""
@@ -208,7 +216,9 @@ class AsyncRolloutLoop:
             RewardScorer(self.reward_funcs), self.metrics, self._executor, self.compute_advantages
         )
         self._parser_kind = parser_kind(self.tokenizer)
-        self._turn_takes_max_tokens = "max_tokens" in inspect.signature(self.generate_one_turn).parameters
+        parameters = inspect.signature(self.generate_one_turn).parameters
+        self._turn_takes_max_tokens = "max_tokens" in parameters
+        self._turn_takes_routes_from = "routes_from" in parameters
 
     async def _teardown(self) -> None:
         await self.pool.close()

@@ -38,6 +38,8 @@ class RolloutMetrics:
         """Groups abandoned because the server unloaded their policy version's adapter (running total)."""
         self.rewards_nonfinite_total = 0
         """Reward values excluded for being +-inf or beyond float32's range (running total)."""
+        self.route_conflicts_total = 0
+        """Held tokens a later turn routed to other MoE experts (running total; reported once nonzero)."""
         self._window_start = time.monotonic()
         self._reset_window()
 
@@ -78,6 +80,7 @@ class RolloutMetrics:
         self.boundaries += stats.boundaries
         self.forks += stats.forks
         self.drift_tokens.extend(stats.drift_tokens)
+        self.route_conflicts_total += stats.route_conflicts
         self.rollout_tool_calls.append(rollout.tool_call_count)
         self.loop_exhausted.append(rollout.tool_loop_exhausted)
 
@@ -125,6 +128,8 @@ class RolloutMetrics:
             "completions/max_length": float(max(self.lengths, default=0)),
             "completions/clipped_ratio": _mean(self.clipped),
         }
+        if self.route_conflicts_total:
+            out["rollout/route_conflicts_total"] = float(self.route_conflicts_total)
         if self.group_rewards:
             groups = len(self.group_rewards)
             out.update(

@@ -25,6 +25,7 @@ PACK_FIELDS = (
     "sampler_top_ids",
     "sampler_top_logprobs",
     "sampling_mask",
+    "routed_experts",
 )
 
 
@@ -48,6 +49,9 @@ class RolloutSample:
     """(T, K) float32, -inf padded, or None."""
     sampling_mask: list[np.ndarray] | None = None
     """T int64 candidate-id arrays, or None (vocabulary normalisation)."""
+    routed_experts: np.ndarray | None = None
+    """(L, layers, top_k) int16 MoE route of every token as the sampler routed it, -1 where none; None
+    unless `RolloutConfig.return_routed_experts` (see `_sequence.py` for which turn's route a token keeps)."""
     policy_version: int = 0
     """Policy version when the group's first rollout was dispatched (staleness is measured from it)."""
     reward: float = float("nan")
@@ -82,6 +86,7 @@ class RolloutSample:
             sampler_top_ids=sequence.sampler_top_ids,
             sampler_top_logprobs=sequence.sampler_top_logprobs,
             sampling_mask=sequence.sampling_mask,
+            routed_experts=sequence.routed_experts,
             advantage=float(advantage),
             rollout_id=sequence.rollout_id,
             **extra,

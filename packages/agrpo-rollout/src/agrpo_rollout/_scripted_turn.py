@@ -2,7 +2,8 @@
 write what the test needs (a random tiny model never writes a well-formed tool call).
 
 Owns the one rule that keeps such turns honest: only the real tokens are trainable (mask 1, the server's
-log-probs); the dictated tokens and EOS are context (mask 0, log-prob 0, no sampler candidates). Real
+log-probs); the dictated tokens and EOS are context (mask 0, log-prob 0, no sampler candidates, no MoE
+route: the server never forwarded them). Real
 tokens that do not read as letters, digits or spaces are dropped first: a sampled `<`, `{` or tool tag
 before the script would change how the script parses.
 """
@@ -36,4 +37,14 @@ def scripted_turn(tokenizer: Any, real: TurnRecord, script: str) -> TurnRecord:
             logprobs=np.concatenate([top.logprobs[plain], np.full((n, top.ids.shape[1]), -np.inf)]),
         ),
         finish_reason="stop",
+        routed_experts=_routes(real, plain, n),
     )
+
+
+def _routes(real: TurnRecord, plain: np.ndarray, num_scripted: int) -> np.ndarray | None:
+    """The real turn's routes at its prompt and kept tokens (as the server reported them), -1 at the script."""
+    if real.routed_experts is None:
+        return None
+    prompt, output = np.split(real.routed_experts, [real.prompt_ids.shape[0]])
+    unrouted = np.full((num_scripted, *prompt.shape[1:]), -1, dtype=np.int16)
+    return np.concatenate([prompt, output[plain], unrouted])

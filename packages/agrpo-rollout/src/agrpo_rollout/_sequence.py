@@ -13,6 +13,23 @@ A rollout's turns are replayed in order. Each turn's prompt is compared with the
 Tokens sampled with `output_mask` 0 are context. A sequence with no trained token is dropped.
 Per-trained-token arrays (sampler log-probs, top log-probs, sampling masks) follow the trained
 tokens in order, as `agrpo_packing.PackSample` expects.
+
+MoE routes (routing replay) follow every token, and a token keeps the route of the first turn that
+forwarded it. Why the first: the trainer forwards the whole sequence once, so each position gets one route,
+while a later turn's request may report a held token again (with `routed_experts_prompt_start=0`). The two
+reports serve different loss terms: the earlier one is the routing the earlier turn's own sampled tokens
+were generated under, the later one is behind the KV the later turn's tokens attended to. They agree
+whenever the later turn reused the earlier KV from vLLM's prefix cache (vLLM stores the routes with the
+cached blocks and returns those: the usual case) and can differ only where it recomputed them (evicted
+blocks, a partial last block, batch-dependent numerics); then one side's loss terms see a route their
+sampler did not use, whichever is kept. Keeping the first makes every turn exact for the tokens it generated
+itself, leaves only recomputed context inexact (counted in `ReconcileStats.route_conflicts`), lets a turn's
+request skip the routes the rollout holds (vLLM's `routed_experts_prompt_start` exists for prompt tokens
+"covered by earlier turns"; `Conversation.routes_from`), so the later turn reports only what the earlier
+ones could not: the previous turn's last sampled token (never forwarded there) and the new context; and it is
+the rule packing applies to tokens samples share. A fork shares the held routes up to the divergence point,
+so both sequences agree on their common tokens. A sequence whose turns lack routes (not asked, or a custom
+`generate_one_turn` that returns none) carries None.
 """
 
 from __future__ import annotations
@@ -22,6 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ._routed_experts import merge_routes
 from ._turn import TurnRecord
 
 
@@ -41,6 +59,8 @@ class TrainingSequence:
     """(T, K) float32 log-probs of `sampler_top_ids`, -inf padded."""
     sampling_mask: list[np.ndarray] | None = None
     """T int64 arrays of candidate ids; None when any turn lacked them (vocabulary normalisation)."""
+    routed_experts: np.ndarray | None = None
+    """(L, layers, top_k) int16 MoE route of every token, -1 where none; None when any turn lacked routes."""
     rollout_id: str = ""
     """The conversation it came from."""
 
@@ -57,33 +77,54 @@ class ReconcileStats:
     forks: int = 0
     drift_tokens: list[int] = field(default_factory=list)
     """One entry per boundary, 0 for clean ones."""
+    route_conflicts: int = 0
+    """Held tokens a later turn reported another MoE expert set for (the first route is kept)."""
 
 
 class _Builder:
     """Chunks of one sequence under construction."""
 
-    def __init__(self, prompt: np.ndarray) -> None:
+    def __init__(self, prompt: np.ndarray, routes: np.ndarray | None) -> None:
         self.ids = [prompt]
         self.mask = [np.zeros(prompt.shape[0], dtype=bool)]
         self.logprobs: list[np.ndarray] = []
         self.top_ids: list[np.ndarray] | None = []
         self.top_logprobs: list[np.ndarray] | None = []
         self.sampling: list[np.ndarray] | None = []
+        self.routes: list[np.ndarray] | None = None if routes is None else [routes]
         self.length = int(prompt.shape[0])
 
     def held(self) -> np.ndarray:
         return np.concatenate(self.ids) if len(self.ids) > 1 else self.ids[0]
 
-    def append_context(self, tokens: np.ndarray) -> None:
+    def held_routes(self) -> np.ndarray | None:
+        if self.routes is None:
+            return None
+        return np.concatenate(self.routes) if len(self.routes) > 1 else self.routes[0]
+
+    def append_context(self, tokens: np.ndarray, turn: TurnRecord) -> int:
+        """The new tail of `turn`'s prompt; held routes missing a token are filled from the turn's (the first
+        route wins). Returns the held tokens whose route the turn reported differently."""
+        held = self.length
         self.ids.append(tokens)
         self.mask.append(np.zeros(tokens.shape[0], dtype=bool))
         self.length += int(tokens.shape[0])
+        if self.routes is None or turn.routed_experts is None:
+            self.routes = None
+            return 0
+        merged, conflicts = merge_routes(self.held_routes(), turn.routed_experts[:held])
+        self.routes = [merged, turn.routed_experts[held : self.length]]
+        return conflicts
 
     def append_output(self, turn: TurnRecord) -> None:
         trained = turn.trained_mask
         self.ids.append(turn.output_ids)
         self.mask.append(trained)
         self.length += turn.num_output_tokens
+        if self.routes is not None and turn.routed_experts is not None:
+            self.routes.append(turn.routed_experts[turn.prompt_ids.shape[0] :])
+        else:
+            self.routes = None
         if not trained.any():
             return
         self.logprobs.append(turn.output_log_probs[trained])
@@ -109,6 +150,7 @@ class _Builder:
             sampler_top_ids=np.concatenate(self.top_ids) if same_k else None,
             sampler_top_logprobs=np.concatenate(self.top_logprobs) if same_k else None,
             sampling_mask=self.sampling,
+            routed_experts=self.held_routes(),
             rollout_id=rollout_id,
         )
 
@@ -120,6 +162,20 @@ def common_prefix_length(a: np.ndarray, b: np.ndarray) -> int:
     return int(differ[0]) if differ.size else n
 
 
+def _fork_routes(previous: _Builder, turn: TurnRecord, matched: int) -> tuple[np.ndarray | None, int]:
+    """Routes of a fork's prompt: the held routes of the `matched` shared tokens first (both sequences
+    agree there), then the turn's own; and the shared tokens the turn routed differently."""
+    routes = turn.routed_experts
+    if routes is None:
+        return None, 0
+    prompt_routes = routes[: turn.prompt_ids.shape[0]]
+    held = previous.held_routes()
+    if held is None or not matched:
+        return prompt_routes, 0
+    shared, conflicts = merge_routes(held[:matched], prompt_routes[:matched])
+    return np.concatenate([shared, prompt_routes[matched:]]), conflicts
+
+
 def build_sequences(
     turns: Sequence[TurnRecord], rollout_id: str = ""
 ) -> tuple[list[TrainingSequence], ReconcileStats]:
@@ -129,18 +185,21 @@ def build_sequences(
     for turn in turns:
         prompt = turn.prompt_ids
         if not builders:
-            builders.append(_Builder(prompt))
+            routes = None if turn.routed_experts is None else turn.routed_experts[: prompt.shape[0]]
+            builders.append(_Builder(prompt, routes))
         else:
             held = builders[-1].held()
             matched = common_prefix_length(held, prompt)
             stats.boundaries += 1
             if matched == held.shape[0]:
                 stats.drift_tokens.append(0)
-                builders[-1].append_context(prompt[matched:])
+                stats.route_conflicts += builders[-1].append_context(prompt[matched:], turn)
             else:
                 stats.forks += 1
                 stats.drift_tokens.append(int(held.shape[0] - matched))
-                builders.append(_Builder(prompt))
+                routes, conflicts = _fork_routes(builders[-1], turn, matched)
+                stats.route_conflicts += conflicts
+                builders.append(_Builder(prompt, routes))
         builders[-1].append_output(turn)
     sequences = [s for s in (b.finish(rollout_id) for b in builders) if s is not None]
     return sequences, stats

@@ -10,7 +10,10 @@ What is read where:
   time (`process_start_time_seconds`, its identity);
 - dtype, `--logprobs-mode`, `--max-logprobs`, `--return-sampling-mask`, LoRA limits, `--watermark`:
   `GET /server_info?config_format=json` (only with `VLLM_SERVER_DEV_MODE=1`; unknown otherwise);
-- `--enable-scale-out`: `POST /inference/v1/generate` with an empty body answers 403 without it.
+- `--enable-scale-out`: `POST /inference/v1/generate` with an empty body answers 403 without it;
+- `--enable-return-routed-experts` (only with `return_routed_experts`): one greedy token of a one-token
+  prompt, whose choice must carry `routed_experts` of the config's model shape (no per-request switch
+  exists: the server flag alone decides).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 
 from ._config import RolloutConfig
 from ._exceptions import ResponseFormatError, ServerConfigError
+from ._routed_experts import ExpertRouting
 from ._server_load import ServerLoad
 
 logger = logging.getLogger("agrpo_rollout")
@@ -176,6 +180,34 @@ def _watermark(config: dict[str, Any]) -> float | None:
     return None if value is None else float(value)
 
 
+ROUTED_EXPERTS_FLAG_FIX = (
+    "start the server with --enable-return-routed-experts (needs Model Runner V2, i.e. a GPU server: vLLM's "
+    "CPU build refuses the flag), or set return_routed_experts=False"
+)
+
+
+async def probe_routed_experts(client: Any, routing: ExpertRouting, model_name: str) -> None:
+    """Refuse a server that returns no MoE routes (`ServerConfigError` naming the flag) or routes of another
+    model's shape (`ResponseFormatError`): one greedy token of the one-token prompt `[0]`."""
+    body = {
+        "model": model_name,
+        "prompt": [0],
+        "max_tokens": 1,
+        "temperature": 0.0,
+        "return_token_ids": True,
+        "routed_experts_prompt_start": 0,
+    }
+    choice = json_body(await client.request("POST", COMPLETIONS_PATH, json=body))["choices"][0]
+    if choice.get("routed_experts") is None:
+        raise ServerConfigError(
+            f"return_routed_experts=True, but {client.base_url} returned no routed_experts for a completion: "
+            f"{ROUTED_EXPERTS_FLAG_FIX}"
+        )
+    num_tokens = 1 + len(choice.get("token_ids") or [])
+    request = f"the start-up probe's completion on {client.base_url}"
+    routing.decode(choice["routed_experts"], num_tokens=num_tokens, prompt_start=0, request=request)
+
+
 async def probe_server(client: Any, config: RolloutConfig) -> ServerInfo:
     """Read the facts of `ServerInfo` through `client.request(method, path, ...)`, then `check` them."""
     models = json_body(await client.request("GET", "/v1/models"))["data"]
@@ -213,6 +245,8 @@ async def probe_server(client: Any, config: RolloutConfig) -> ServerInfo:
             "--logprobs-mode, --max-logprobs and --return-sampling-mask cannot be checked",
             client.base_url,
         )
+    if config.expert_routing is not None:
+        await probe_routed_experts(client, config.expert_routing, model_name)
     for warning in server.check(config):
         if (client.base_url, warning) not in _WARNED:
             _WARNED.add((client.base_url, warning))

@@ -3,8 +3,9 @@
 Owns the per-token arrays of one turn and their alignment checks. Does not know HTTP (the client
 fills it), chat templates, or how turns chain into training sequences (`_sequence.py`).
 
-Shapes: P = prompt tokens, T = output tokens, K = sampler top log-probs kept per output token.
-Every per-output-token field is aligned to `output_ids`. Arrays are numpy so a 2k-token turn costs
+Shapes: P = prompt tokens, T = output tokens, K = sampler top log-probs kept per output token, E = the
+model's layers, k = experts per token. Every per-output-token field is aligned to `output_ids`; MoE routes
+are aligned to prompt and output together. Arrays are numpy so a 2k-token turn costs
 a few allocations, not 2k Python objects; list inputs are converted once on construction.
 """
 
@@ -79,6 +80,10 @@ class TurnRecord:
     """The sampler's top log-probs per output token (score centering); a `list[dict]` is converted."""
     finish_reason: str | None = None
     """Why the server stopped: `stop` (EOS or stop token), `length`, `abort`; None when not sampled."""
+    routed_experts: np.ndarray | None = None
+    """(P + T, E, k) int16 experts each token of `prompt_ids` then `output_ids` was routed to, as input, in
+    each layer (MoE routing replay); -1 throughout a token the request returned no route for (the last
+    output token, prompt tokens before its `routed_experts_prompt_start`). None: not asked for."""
 
     def __post_init__(self) -> None:
         self.prompt_ids = np.asarray(self.prompt_ids, dtype=np.int64)
@@ -104,6 +109,14 @@ class TurnRecord:
             self.output_sampler_logprobs = TopLogprobs.from_dicts(self.output_sampler_logprobs)
         if self.output_sampler_logprobs is not None:
             _check_len("output_sampler_logprobs", len(self.output_sampler_logprobs), num_out)
+        if self.routed_experts is not None:
+            self.routed_experts = np.asarray(self.routed_experts, dtype=np.int16)
+            num_tokens = self.prompt_ids.shape[0] + num_out
+            if self.routed_experts.ndim != 3 or self.routed_experts.shape[0] != num_tokens:
+                raise ValueError(
+                    f"routed_experts has shape {self.routed_experts.shape}; expected ({num_tokens}, layers, "
+                    "top_k): one route per prompt and output token, -1 where there is none"
+                )
 
     @property
     def trained_mask(self) -> np.ndarray:
