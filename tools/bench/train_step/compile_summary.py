@@ -1,4 +1,5 @@
-"""The issue-20 targets read back from a `gpu_compile.sh` run: one line per setup and ratio, then the checks.
+"""The targets of issues 20 and 31 read back from a `gpu_compile.sh` run: the trainer's own compiled runs, one line
+per setup and ratio, then the checks.
 
 Run: `python -m tools.bench.train_step.compile_summary OUT_DIR` (the JSON files the bench wrote there). For
 every measured row: MFU (tree / plain), tree/plain MFU, trained tokens/s and their ratio to today's eager
@@ -46,14 +47,28 @@ def parity_line(p: dict) -> str:
     return line + {True: ": PASS", False: ": FAIL"}.get(p.get("passed"), "")
 
 
-def _load(folder: Path) -> tuple[list[dict], list[dict]]:
-    results, setups = [], []
+def _load(folder: Path) -> tuple[list[dict], list[dict], list[dict]]:
+    results, setups, runs = [], [], []
     for path in sorted(folder.glob("*.json")):
         data = json.loads(path.read_text())
         for r in data.get("results", []):
             results.append({**r, "file": path.stem})
         setups += [{**s, "file": path.stem} for s in data.get("setups", [])]
-    return results, setups
+        runs += [{**r, "file": path.stem} for r in data.get("runs", [])]  # trainer_run.py
+    return results, setups, runs
+
+
+def _trainer_run(r: dict) -> str:
+    """One `trainer_run.py` run against what compile by default needs: on, no new graph, no break, parity."""
+    ok = r["torch_compile"] and r["new_graphs_after_step_2"] == 0 and r["graph_breaks"] == 0
+    ok = ok and bool(r["parity"].get("passed"))
+    return (
+        f"{r['file']}: train() {'LoRA' if r['lora'] else 'full fine-tuning'}, compile {r['torch_compile']}, "
+        f"{r['compiled_layers']}/{r['layers']} layers, checkpointing {r['checkpointing']}, first step "
+        f"{r['first_step_s']:.0f} s, {r['graphs_by_step_2']} graphs by step 2, {r['new_graphs_after_step_2']} new "
+        f"over {r['steps'] - 2} steps, {r['graph_breaks']} breaks, parity {parity_line(r['parity'])}: "
+        f"{'ok' if ok else 'MISSED'}"
+    )
 
 
 def _eager(results: list[dict]) -> dict:
@@ -133,8 +148,10 @@ def _weight_cast(results: list[dict]) -> list[str]:
 
 def main() -> None:
     folder = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/gpu_compile")
-    results, setups = _load(folder)
+    results, setups, runs = _load(folder)
     eager = _eager(results)
+    for r in runs:
+        print(_trainer_run(r))
     print(f"{len(results)} measured setups x ratios in {folder}")
     for r in results:
         print(_line(r, eager))

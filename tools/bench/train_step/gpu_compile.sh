@@ -1,40 +1,33 @@
 #!/usr/bin/env bash
-# Issue 20 ("the policy step compiled") on one H200: compiled decoder layers against today's eager step.
+# The compiled step on one H200 (issues 20 and 31): what `torch_compile` on by default rests on, and where it stands.
 # Run from the repository root: `OUT=<dir> bash tools/bench/train_step/gpu_compile.sh` (logs and JSON under $OUT,
-# default /tmp/gpu_compile). No uv there: the packages run from the source tree on PYTHONPATH; SITE=<dir> adds a
-# directory of unpacked wheels (msgspec, prometheus_client), or wheels in .whl/ are installed into /tmp/site.
-# The whole run ends within 9 minutes: every step has its own time limit, cut to what is left of a 510 s budget,
-# and steps run most important first (compile time counts; inductor's on-disk cache is shared by later steps;
-# each step's JSON is written after every ratio, so a step cut by its limit keeps what it measured):
-#  A. 1.7B amp, layers compiled, selective checkpointing, ratios 1/3.4/8, tree + plain: MFU, tok/s, the loss
-#     and gradients against the same regions eager (--parity), graphs compiled, then 20 steps of fresh rows of
-#     varying sizes (--recompile-steps: new graphs should be 0), recompile reasons (TORCH_LOGS=recompiles);
-#  B. today's eager step (transformers' checkpointing, no regions), ratios 1/3.4/8: the 1.5x baseline;
-#  E. the bf16 weight cast once per step, eager regions (full checkpointing) with and without it, ratio 1 tree,
-#     and one cast of all layer weights timed (--cast-probe);
-#  C. compiled, checkpointing auto (1.7B fits without: expect "none"), the choice logged, GPU idle and the busy
-#     time by kernel kind for every row (--idle inline);
-#  D. 4B amp compiled selective, ratio 1, 2 prompts;
-#  G. compiled full checkpointing, ratio 1;
-#  then a summary of the targets from the JSON files (compile_summary.py).
-# BENCH_EXTRA="--tiny" runs every step on CPU with tiny shapes (a smoke test of this script's commands).
+# default /tmp/gpu_compile), with the msgspec / prometheus_client wheels in .whl/ (see gpu_env.sh). The whole run
+# ends within 9 minutes: each step has its own time limit, cut to what is left of a 540 s budget, most important
+# first (inductor's on-disk cache is shared by later steps; JSON is written as each step goes):
+#  T. the trainer's own train() over the recorded CPU-server rollouts (trainer_run.py): compile on by default,
+#     full fine-tuning and LoRA, 22 steps, graphs and graph breaks, parity against fp32;
+#  A. 1.7B amp, compiled, selective checkpointing, ratios 1/3.4/8, tree + plain: MFU, tok/s, the GPU's busy time
+#     by kernel (--idle inline), then compiled cascade tree rows at 3.4/8 (the tree attention that is FA2 blocks);
+#  L. long rows: 4B with 64k- and 32k-token rows under checkpointing auto (the mode mix, peak memory, MFU);
+#  N. compiled without checkpointing, ratio 1 (what auto picks where it fits).
+# BENCH_EXTRA="--tiny" runs every bench step on CPU with tiny shapes (a smoke test of this script's commands).
 set -o pipefail
 OUT=${OUT:-/tmp/gpu_compile}
 source tools/bench/train_step/gpu_env.sh
-BUDGET=${BUDGET:-510}
-{ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
+BUDGET=${BUDGET:-540}
+{ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
   $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
   git log -1 --format='commit %h %cd' 2>/dev/null; date -u; } | tee "$OUT/gpu.txt"
 
-common="--models qwen3-1.7b --prompts 4 --precision amp"
-step A_compiled_selective 210 $common --compile on --checkpointing selective --ratios 1,3.4,8 --parity \
-  --recompile-steps 20
-step B_eager_today 75 $common --compile off --checkpointing on --ratios 1,3.4,8 --steps 1
-step E_weight_cast_eager 50 $common --compile off --checkpointing full --cast-weights on,off --ratios 1 \
-  --kinds tree --steps 1 --cast-probe
-step C_compiled_auto 110 $common --compile on --checkpointing auto --ratios 1,3.4,8 --idle inline
-step D_4b_compiled_selective 85 --models qwen3-4b --prompts 2 --precision amp --compile on \
-  --checkpointing selective --ratios 1
-step G_compiled_full 60 $common --compile on --checkpointing full --ratios 1
+timeout --kill-after=10 330 $PY -m tools.bench.train_step.trainer_run --model qwen3-1.7b --lora both --steps 22 \
+  ${TRAINER_EXTRA:-} --json "$OUT/T_trainer_run.json" 2>&1 | grep -v '^DEBUG\|^[VIW]1[0-9]' | tee "$OUT/T_trainer_run.log"
+common="--models qwen3-1.7b --prompts 4 --precision amp --compile on"
+step A_selective 150 $common --checkpointing selective --ratios 1,3.4,8 --idle inline
+step A_cascade 90 $common --checkpointing selective --backend cascade --ratios 3.4,8 --kinds tree
+step L_4b_64k 130 --models qwen3-4b --budget 65536 --prompts 16 --precision amp --compile on --checkpointing auto \
+  --ratios 3.4 --kinds tree --steps 1
+step L_4b_32k 80 --models qwen3-4b --budget 32768 --prompts 8 --precision amp --compile on --checkpointing auto \
+  --ratios 3.4 --kinds tree --steps 1
+step N_none 70 $common --checkpointing none --ratios 1
 $PY -m tools.bench.train_step.compile_summary "$OUT" 2>&1 | tee "$OUT/summary.txt"
 echo "total $(($(date +%s) - START))s"

@@ -7,7 +7,8 @@ then the optimizer step, exactly the calls the trainer makes. Time is split with
 on CPU): forward up to the LM head, LM head + log-probs + loss, backward (with the recompute when
 gradient checkpointing is on), optimizer. Rows reach the device by one of `ROW_PATHS`: by default
 `inline`, as the trainer's do (pinned, non-blocking copies and the plan built just before the forward);
-`thread` and `sequential` are kept to measure the alternatives (`row_paths.py`).
+`sequential` (pageable copies, the plan built by `token_scores`) is kept to measure what that saves. (A
+prefetching worker thread was measured 18% slower at ratio 8 on the H200 and removed, 2026-12-05.)
 `gpu_idle_profile` profiles one step and returns the share of its GPU span during which no kernel ran
 (the GPU waiting for the host: planning, collation, syncs, launches), split into gaps of 1 ms or more
 and shorter ones, with the busy time split by kernel kind (matmul, attention, compiled Triton, copies and
@@ -26,8 +27,6 @@ from agrpo_packing import PackedRow, PackingConfig, PackSample, Planner
 from agrpo_trainer._device_row import DeviceRow, prepare_device_row
 from agrpo_trainer._loss import LossSettings
 from agrpo_trainer._step import StepSettings, micro_batch_loss
-
-from .row_prefetcher import RowPrefetcher
 
 SETTINGS = StepSettings(
     loss=LossSettings(epsilon=0.2, epsilon_high=0.2, is_clip_min=0.0, is_clip_max=3.0, score_centering=True),
@@ -86,27 +85,20 @@ class StepTimes:
     times the world size, since gradients are averaged over ranks)."""
 
 
-ROW_PATHS = ("thread", "inline", "sequential")
-"""How rows reach the device: `thread` prepares the next row and its tree plan on a `RowPrefetcher`
-worker (`row_prefetcher.py`); `inline` (the trainer's) prepares each (pinned, non-blocking copies, plan built) on the calling
-thread just before its forward; `sequential` copies it from pageable memory and lets `token_scores` plan."""
+ROW_PATHS = ("inline", "sequential")
+"""How rows reach the device: `inline` (the trainer's) prepares each (pinned, non-blocking copies, plan built)
+just before its forward; `sequential` copies it from pageable memory and lets `token_scores` plan."""
 
 
 def _device_rows(model, rows: list[PackedRow], path: str):
     """What the step trains on, row by row, by `path` (see `ROW_PATHS`)."""
     device = next(model.parameters()).device
+    if path not in ROW_PATHS:
+        raise ValueError(f"row path {path!r}; expected one of {ROW_PATHS}")
     if path == "sequential":
         yield from (DeviceRow(row=row.to(device), plan=None) for row in rows)
-        return
-    if path == "inline":
+    else:
         yield from (prepare_device_row(row, model) for row in rows)
-        return
-    prefetcher = RowPrefetcher(lambda row: prepare_device_row(row, model), device)
-    try:
-        prefetcher.begin(rows)
-        yield from (prefetcher.take(i) for i in range(len(rows)))
-    finally:
-        prefetcher.close()
 
 
 def timed_step(
