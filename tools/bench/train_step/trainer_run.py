@@ -4,7 +4,8 @@ What had to hold before `torch_compile=None` resolved to on for CUDA (issue 31, 
 `train()` runs rather than a bench copy of the step: `agrpo_trainer.testing.ReplayTrainer` (the trainer with the
 recorded samples as its sample source and no weight sync; packing, the step, compile, checkpointing and metrics
 are its own) trains a random model of a benchmark shape for `--steps` optimizer steps, full fine-tuning and
-LoRA, with the config defaults (bf16 autocast over fp32 weights, checkpointing `auto`, `torch_compile=None`).
+LoRA, with the config defaults (bf16 autocast over fp32 weights, checkpointing `auto`, `torch_compile=None`, set
+to True while `COMPILE_BY_DEFAULT` is off).
 Printed per run: that compile resolved on, the graphs dynamo compiled by the end of step 2 and over the later
 steps of fresh rows (0 expected), graph breaks (0), the trainer's own MFU and step times, and the step's loss
 and gradients against the same regions eager and an fp32 reference (`regions.parity`, the bench's rule).
@@ -36,6 +37,7 @@ from agrpo_attention.testing import build_tokenizer
 from agrpo_packing import PackSample, TreeRow
 from agrpo_rollout import RolloutSample
 from agrpo_trainer import AsyncGRPOConfig
+from agrpo_trainer._layer_region import COMPILE_BY_DEFAULT
 from agrpo_trainer.testing import ReplayTrainer
 
 from ..tree_attention.model_shapes import build_random_model
@@ -93,6 +95,7 @@ def _config(args, output_dir: str, lora: bool) -> AsyncGRPOConfig:
         token_budget=args.budget, gradient_accumulation_steps=1, max_staleness=10**6, save_strategy="no",
         report_to="none", logging_steps=1, disable_tqdm=True, seed=0,
         **({"use_cpu": True, "bf16": False, "torch_compile_backend": "aot_eager"} if args.tiny else {}),
+        **({} if args.tiny or COMPILE_BY_DEFAULT else {"torch_compile": True}),  # what the default would be
     )  # fmt: skip
 
 

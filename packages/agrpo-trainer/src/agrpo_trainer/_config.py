@@ -67,8 +67,9 @@ class AsyncGRPOConfig(TrainingArguments):
         metadata=_help(
             "Compile each decoder layer (torch_compile_backend/_mode; the rest stays eager): 1.67-1.74x the "
             "trained tokens/s at packing ratios 1-8 on an H200, gradients as close to fp32 as eager's "
-            "(docs/benchmarks.md). None: True on CUDA (not under FSDP, where it is unmeasured; not on CPU) and "
-            "wherever a backend or mode is named; the first step pays the compile (about 2.5 min for a 1.7B model)."
+            "(docs/benchmarks.md). None: False for now (True when a backend or mode is named): the trainer's own "
+            "compiled step failed gradient parity on a GPU (docs/benchmarks.md, 2026-12-05); the first step pays "
+            "the compile (about 2 min for a 1.7B model), announced on stderr."
         ),
     )
     bf16: bool | None = field(
