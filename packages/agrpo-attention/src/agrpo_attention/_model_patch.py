@@ -1,7 +1,7 @@
 """`enable_tree_attention`: switch a stock transformers decoder to tree attention, explicitly, per model.
 
 Owns the checks that refuse what tree attention cannot run (layer types other than full attention and
-Qwen3.5-style Gated DeltaNet, other recurrent mixers, softcapping on a backend without it, models that
+Gated DeltaNet in the Qwen3.5 or Qwen3-Next layout, other recurrent mixers, softcapping on a backend without it, models that
 do not route attention through transformers' `AttentionInterface`), the switch of
 `attn_implementation` to "agrpo_tree", the per-instance patch of each Gated DeltaNet module's forward
 (its tree path runs only when a tree plan is passed; without one the stock forward runs), and the
@@ -80,7 +80,8 @@ def _deltanet_modules(model: torch.nn.Module, config) -> list[tuple[str, torch.n
     if layer_types.count("linear_attention") != len(found):
         raise UnsupportedModelError(
             f"config lists {layer_types.count('linear_attention')} linear_attention layers but the model has "
-            f"{len(found)} Gated DeltaNet modules; only Qwen3.5-style Gated DeltaNet linear attention is supported"
+            f"{len(found)} Gated DeltaNet modules; only Gated DeltaNet linear attention (Qwen3.5 or Qwen3-Next "
+            "layout) is supported"
         )
     return found
 
