@@ -20,7 +20,12 @@ from ._attention_backend import AttentionBackend
 from ._backends import resolve_backend
 from ._exceptions import UnsupportedModelError
 from ._tree_attention import ATTENTION_NAME, register_tree_attention
-from ._tree_deltanet import check_deltanet_module, resolve_delta_rule_kernel, tree_deltanet_forward
+from ._tree_deltanet import (
+    TRACED_KERNELS,
+    check_deltanet_module,
+    resolve_delta_rule_kernel,
+    tree_deltanet_forward,
+)
 
 _SETTINGS_ATTRIBUTE = "_agrpo_tree_settings"
 _SUPPORTED_LAYER_TYPES = ("full_attention", "linear_attention")
@@ -38,7 +43,7 @@ class TreeSettings:
     conv_kernel_size: int | None
     """Gated DeltaNet convolution taps; None when the model has no such layer."""
     deltanet_kernel: str | None
-    """"torch" or "fla"; None when the model has no Gated DeltaNet layer."""
+    """"torch", "triton" or "fla"; None when the model has no Gated DeltaNet layer."""
 
 
 def tree_settings(model: torch.nn.Module) -> TreeSettings:
@@ -53,6 +58,16 @@ def tree_settings(model: torch.nn.Module) -> TreeSettings:
             f"{type(model).__name__} is not tree-enabled: call enable_tree_attention(model) first"
         )
     return settings
+
+
+def deltanet_traceable(model: torch.nn.Module) -> bool:
+    """True when tree-enabled `model` has Gated DeltaNet layers whose tree forward a torch.compile'd decoder layer
+    traces whole, for rows of any shape (deltanet_kernel "triton": custom ops only); False with "torch" or "fla"
+    (a host loop over the row's tree levels), without such layers, or before `enable_tree_attention`."""
+    settings = getattr(model, _SETTINGS_ATTRIBUTE, None) or getattr(
+        getattr(model, "module", None), _SETTINGS_ATTRIBUTE, None
+    )
+    return settings is not None and settings.deltanet_kernel in TRACED_KERNELS
 
 
 def _text_config(model: torch.nn.Module):

@@ -140,16 +140,35 @@ def path_conv(
 
 
 @functools.cache
-def _triton_runs(device: torch.device) -> bool:
+def _triton_runs_on(device: torch.device) -> bool:
     return triton_unavailable_reason(device) is None
 
 
+@torch.compiler.assume_constant_result
+def _triton_runs(device: torch.device) -> bool:
+    """Whether agrpo's Triton kernels run on `device`: asked once per device, and a constant to dynamo (the
+    check imports nothing it could trace), so a compiled layer does not break its graph here."""
+    return _triton_runs_on(device)
+
+
+def _conv_runs_triton(mixed: torch.Tensor, kernel: str) -> bool:
+    """The Triton path convolution goes with the GPU delta-rule kernels ("triton", "fla") where agrpo's Triton rule
+    could run (NVIDIA, compute capability >= 8), for fp32/bf16 activations; else the definition runs."""
+    return kernel != "torch" and mixed.is_cuda and mixed.dtype != torch.float64 and _triton_runs(mixed.device)
+
+
 def layer_path_conv(mixed: torch.Tensor, module, plan: DeltaNetPlan, kernel: str) -> torch.Tensor:
-    """The layer's path convolution: agrpo's Triton kernels with the GPU delta-rule kernels ("triton", "fla")
-    where agrpo's Triton rule could run (NVIDIA, compute capability >= 8), else the definition."""
-    if kernel != "torch" and mixed.is_cuda and mixed.dtype != torch.float64 and _triton_runs(mixed.device):
+    """The layer's path convolution: agrpo's Triton kernels where `_conv_runs_triton` says, else the definition."""
+    if _conv_runs_triton(mixed, kernel):
         return triton_path_conv(mixed, module.conv1d, plan.conv, module.activation)
     return path_conv(mixed, module.conv1d, plan, module.activation)
+
+
+TRACED_KERNELS = ("triton",)
+"""Delta-rule kernels whose tree forward is custom ops only (`agrpo::delta_rule_forward` over the whole tree in one
+call, `agrpo::path_conv_forward`; fake and autograd registered): a torch.compile'd layer traces it in one graph for
+rows of any shape. "torch" and "fla" loop over the row's tree levels on the host, which would unroll into the graph
+and compile again for every other tree."""
 
 
 def tree_delta_rule(q, k, v, g, beta, plan: DeltaNetPlan, kernel: str) -> torch.Tensor:
