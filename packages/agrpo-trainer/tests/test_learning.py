@@ -68,13 +68,17 @@ def test_a_tiny_model_learns_against_the_real_server_and_every_sync_lands(
 # frozen: the CPU server's in-place reload corrupts them (vLLM 0.32 packs them at start-up only; agrpo-sync refuses
 # trainable ones and leaves frozen ones out of every sync); routers, shared experts and everything else train. The
 # server runs bf16 and the trainer fp32, so the parity probe has a bf16 tolerance.
-HYBRID_STEPS = 30
+HYBRID_STEPS = 20
+"""Seen at step 20 over four runs: 0.19 to 0.88. Not many more: near 1 every rollout of a group writes only digits,
+such groups have no reward spread and are dropped, and the trainer waits for samples (one run sat at step 29 of 30
+with reward 0.995)."""
 HYBRID_LEARNING_RATE = 2e-2
 """The demo's 5e-3 moves this hybrid's reward too slowly for a short test (0.03 -> 0.06 in 24 steps, seen)."""
-BF16_PARITY = 0.5
-"""Max |server - trainer| log-prob (nats) after a sync with a bf16 server and an fp32 trainer (the trainer's own
-`sync_parity_threshold`): bf16 weights and activations move a sharp distribution's log-probs by tenths of a nat
-(seen: ~4e-3 at the random start, up to 0.44 as training sharpens it); a sync that did not land moves them by nats."""
+BF16_PARITY_MAX, BF16_PARITY_MEAN = 1.0, 0.1
+"""Bounds of the parity probe after each sync (nats; max and mean |server - trainer| log-prob over its sampled
+tokens) with a bf16 server and an fp32 trainer: bf16 weights and activations move a sharp distribution's log-probs
+by tenths of a nat at worst (seen: ~4e-3 at the random start, a max of 0.44 as training sharpens it; the trainer
+warns from 0.5); a sync that did not land moves every token's, by about the KL the step moved the policy."""
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +138,10 @@ def test_a_gated_deltanet_hybrid_learns_against_the_real_server_and_every_sync_l
         f"mean reward of the first 6 steps {first:.3f}, last 6 {last:.3f}"
     )
     gaps = [h["sync/logprob_max_abs_diff"] for h in history if "sync/logprob_max_abs_diff" in h]
-    assert len(gaps) == HYBRID_STEPS and max(gaps) < BF16_PARITY, f"parity probe after each sync: {gaps}"
+    means = [h["sync/logprob_mean_abs_diff"] for h in history if "sync/logprob_mean_abs_diff" in h]
+    print(f"parity probe after each sync: max {max(gaps):.3g}, largest mean {max(means):.3g}")
+    assert len(gaps) == len(means) == HYBRID_STEPS, "one parity probe per sync"
+    assert max(gaps) < BF16_PARITY_MAX and max(means) < BF16_PARITY_MEAN, f"max {gaps}, mean {means}"
     start = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     stock = copy.deepcopy(start)  # the trained weights in a stock (not tree-enabled) model
     stock.load_state_dict(trainer.model.state_dict())
