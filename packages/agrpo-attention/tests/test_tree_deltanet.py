@@ -62,16 +62,31 @@ def test_path_conv_equals_causal_conv_along_each_path(trees):
         torch.testing.assert_close(out[positions], alone[-own:], rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("kind", ["tiny_hybrid", "tiny_qwen3_next"])
+def qwen3_next_layer_of_three_key_heads():
+    """transformers' Qwen3-Next Gated DeltaNet with 3 key heads of 2 value heads each: the fused projections'
+    per-key-head groups ([q k v v z z] per key head, then [b b a a]) differ from a flat split."""
+    from transformers import Qwen3NextConfig
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+    torch.manual_seed(3)
+    config = Qwen3NextConfig(hidden_size=24, num_hidden_layers=1, layer_types=["linear_attention"],
+                             linear_num_key_heads=3, linear_num_value_heads=6, linear_key_head_dim=8,
+                             linear_value_head_dim=4, linear_conv_kernel_dim=4)  # fmt: skip
+    return Qwen3NextGatedDeltaNet(config, layer_idx=0)
+
+
+@pytest.mark.parametrize("kind", ["tiny_hybrid", "tiny_qwen3_next", "three_key_heads"])
 def test_tree_forward_of_a_real_layer_equals_its_stock_forward_on_each_path(trees, request, kind):
     """Both projection layouts: Qwen3.5's separate projections and Qwen3-Next's fused, per-key-head grouped
-    in_proj_qkvz / in_proj_ba (two value heads per key head, so a wrong regrouping would show)."""
-    model = request.getfixturevalue(kind)
-    layer = model.model.layers[0].linear_attn
+    in_proj_qkvz / in_proj_ba (several value heads per key head and several key heads, so a wrong regrouping
+    shows)."""
+    if kind == "three_key_heads":
+        layer = qwen3_next_layer_of_three_key_heads()
+    else:
+        layer = request.getfixturevalue(kind).model.layers[0].linear_attn
     row = trees.random_row(2, vocab=3)
-    hidden = torch.randn(
-        1, row.num_tokens, model.config.hidden_size, generator=torch.Generator().manual_seed(0)
-    )
+    hidden_size = layer.out_proj.out_features
+    hidden = torch.randn(1, row.num_tokens, hidden_size, generator=torch.Generator().manual_seed(0))
     plan = build_deltanet_plan(row, int(layer.conv1d.weight.shape[-1]), "cpu")
     with torch.no_grad():
         out = tree_deltanet_forward(layer, hidden, plan, "torch")
