@@ -68,14 +68,17 @@ def test_backend_choice_for_plain_and_lora_models(tiny_model):
 def test_routed_experts_stay_on_a_cpu_server_frozen_and_are_refused_trainable():
     """vLLM 0.32's CPU reload overwrites its packed routed experts unpacked (the server then computes garbage): a
     full-weight sync to a CPU server leaves frozen experts out and refuses trainable ones, naming the fix; routers
-    and shared experts are sent; GPU servers and adapter-only sync take the model as it is."""
+    and shared experts are sent. LoRA is refused there both ways (merged weights carry the experts; with
+    --enable-lora the CPU engine's MoE layers need Triton). GPU servers take the model as it is."""
     model = build_model(TinyModelSpec(kind="qwen3_next", num_layers=4), build_tokenizer())
     cpu, gpu = [_info(device="cpu")], [_info(device="cuda")]
     with pytest.raises(
         SyncSetupError, match=r"experts would be sent \(model.layers.0.mlp.experts.*requires_grad_"
     ):
         kept_on_cpu_server(model, cpu, "full")
-    assert kept_on_cpu_server(model, gpu, "full") == kept_on_cpu_server(model, cpu, "adapter") == frozenset()
+    assert kept_on_cpu_server(model, gpu, "full") == kept_on_cpu_server(model, gpu, "adapter") == frozenset()
+    with pytest.raises(SyncSetupError, match="engine dies at the first adapter request.*without peft_config"):
+        kept_on_cpu_server(model, cpu, "adapter")
     for layer in model.model.layers:
         layer.mlp.experts.requires_grad_(False)
     kept = kept_on_cpu_server(model, cpu, "full")

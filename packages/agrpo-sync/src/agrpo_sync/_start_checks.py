@@ -9,7 +9,8 @@ at load and its in-place reload never re-processes it, so embedding updates reac
 GPU servers have no such copy), and routed MoE experts on a CPU server (`kept_on_cpu_server`: vLLM 0.32's CPU
 backend packs them into its grouped-GEMM layout at load, and its in-place reload copies plain weights over the
 packed ones without packing them, so the server computes garbage after any reload that includes them, even of
-unchanged values; frozen experts are left out of every sync, trainable ones are refused naming the fix). With
+unchanged values; frozen experts are left out of every sync, trainable ones are refused naming the fix, and so is
+LoRA: merged weights carry every expert, and adapters crash the CPU engine's MoE layers). With
 several servers every one is checked, and they must all take the
 same backend (under `lora_sync="auto"`, one that cannot serve adapters makes all of them take merged
 weights). Does not know how anything is sent.
@@ -107,12 +108,20 @@ def routed_expert_names(model: torch.nn.Module) -> list[tuple[str, bool]]:
 
 def kept_on_cpu_server(model: torch.nn.Module, infos: list[ServerInfo], view: str) -> frozenset[str]:
     """Names a full-weight sync leaves out because a CPU server must keep its own copy: the routed experts (see
-    the module docstring). Empty without a CPU server, without experts, or for adapter-only sync. Raises
-    SyncSetupError when the experts would have to be sent (trainable, or merged LoRA weights)."""
+    the module docstring). Empty without a CPU server or without experts. Raises SyncSetupError when the experts
+    would have to be sent (trainable, or merged LoRA weights) and for adapter sync, which such a server cannot
+    serve."""
     cpu = [info for info in infos if info.device == "cpu"]
     experts = routed_expert_names(model)
-    if view == "adapter" or not cpu or not experts:
+    if not cpu or not experts:
         return frozenset()
+    if view == "adapter":
+        raise SyncSetupError(
+            f"LoRA adapters on a CPU server (vLLM {cpu[0].version}) for a model with routed MoE experts: with "
+            "--enable-lora its MoE layers run a Triton kernel the CPU build cannot run, and the engine dies at the "
+            "first adapter request (measured on Qwen3-Next, an adapter on attention and Gated DeltaNet only). Train "
+            "without peft_config (routed experts frozen), or serve from a GPU vLLM server"
+        )
     trained = [n for n, requires_grad in experts if requires_grad]
     if trained or has_lora(model):
         raise SyncSetupError(
