@@ -126,6 +126,12 @@ def tiny_hybrid(tiny_tokenizer):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_next(tiny_tokenizer):
+    """Qwen3-Next's layout: fused Gated DeltaNet projections, gated attention, MoE with a shared expert."""
+    return build_model(TinyModelSpec(kind="qwen3_next", num_layers=4), tiny_tokenizer)
+
+
+@pytest.fixture(scope="session")
 def triton_interpreter_cases() -> dict:
     """The errors of agrpo's Triton kernels against their PyTorch definitions, {"delta_rule": ...,
     "path_conv": ...} (`delta_rule_triton_cases.py`, `path_conv_triton_cases.py`), from one fresh interpreter

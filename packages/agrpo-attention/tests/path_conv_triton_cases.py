@@ -61,25 +61,43 @@ def case(row, channels: int, taps: int, bias: bool, dtype=torch.float32) -> dict
     return errors | {"forks": int(plan.conv.fork_tokens.shape[0]), "tokens": row.num_tokens}
 
 
-def layer_case() -> dict:
-    """`tree_deltanet_forward` of a real layer (transformers' Qwen3.5 Gated DeltaNet, grouped value heads) with
-    kernel "triton", its convolution switched to the Triton one as on CUDA (so q/k/v reach the delta rule as
-    strided views of the conv output), against the same layer with "torch" in fp64: relative max errors of the output and of the gradients of the
-    hidden states and of every parameter, for "triton" in fp32 and, as the yardstick, "torch" in fp32."""
+def qwen3_5_layer():
+    """transformers' Qwen3.5 Gated DeltaNet, separate projections, two value heads per key head."""
     from transformers import Qwen3_5TextConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
-
-    import agrpo_attention._tree_deltanet as tree_deltanet
 
     torch.manual_seed(0)
     config = Qwen3_5TextConfig(hidden_size=32, num_hidden_layers=1, layer_types=["linear_attention"],
                                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                                linear_value_head_dim=16, linear_conv_kernel_dim=4)  # fmt: skip
-    layer = Qwen3_5GatedDeltaNet(config, layer_idx=0)
+    return Qwen3_5GatedDeltaNet(config, layer_idx=0)
+
+
+def qwen3_next_layer():
+    """transformers' Qwen3-Next Gated DeltaNet: fused in_proj_qkvz / in_proj_ba grouped per key head."""
+    from transformers import Qwen3NextConfig
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+    torch.manual_seed(0)
+    config = Qwen3NextConfig(hidden_size=32, num_hidden_layers=1, layer_types=["linear_attention"],
+                             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                             linear_value_head_dim=16, linear_conv_kernel_dim=4)  # fmt: skip
+    return Qwen3NextGatedDeltaNet(config, layer_idx=0)
+
+
+def layer_case(build) -> dict:
+    """`tree_deltanet_forward` of a real layer (`build()`: either projection layout, grouped value heads) with
+    kernel "triton", its convolution switched to the Triton one as on CUDA (so q/k/v reach the delta rule as
+    strided views of the conv output), against the same layer with "torch" in fp64: relative max errors of the
+    output and of the gradients of the hidden states and of every parameter, for "triton" in fp32 and, as the
+    yardstick, "torch" in fp32."""
+    import agrpo_attention._tree_deltanet as tree_deltanet
+
+    layer = build()
     row = seeded_row(4, vocab=3, prompts=1, rollouts=3, longest=24)
     plan = build_deltanet_plan(row, int(layer.conv1d.weight.shape[-1]), "cpu")
     hidden = torch.randn(
-        1, row.num_tokens, layer.in_proj_qkv.in_features, generator=torch.Generator().manual_seed(5)
+        1, row.num_tokens, layer.out_proj.out_features, generator=torch.Generator().manual_seed(5)
     )
     conv_on_cpu = tree_deltanet.layer_path_conv
     tree_deltanet.layer_path_conv = lambda mixed, module, plan, kernel: (
@@ -140,7 +158,8 @@ def cases() -> dict:
         "plain": case(plain, 20, 4, False),
         "grpo": case(seeded_row(7, vocab=3), 20, 4, False),
         "bf16": case(rows["wide"], 20, 4, False, torch.bfloat16),
-        "layer": layer_case(),
+        "layer": layer_case(qwen3_5_layer),
+        "layer_qwen3_next": layer_case(qwen3_next_layer),
         "opcheck": opcheck_case(),
     }
 

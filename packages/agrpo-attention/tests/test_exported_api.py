@@ -11,6 +11,7 @@ EXPECTED = [
     "UnsupportedModelError",
     "available_backends",
     "build_tree_plan",
+    "deltanet_traceable",
     "enable_tree_attention",
     "gathered_logprobs",
     "token_logprobs",

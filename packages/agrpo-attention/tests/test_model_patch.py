@@ -12,6 +12,7 @@ from agrpo_attention import (
     TreePlanMissingError,
     UnsupportedModelError,
     build_tree_plan,
+    deltanet_traceable,
     enable_tree_attention,
     token_logprobs,
 )
@@ -122,3 +123,23 @@ def test_softcapping_runs_where_supported_and_is_refused_elsewhere(trees):
 
     with torch.no_grad():
         assert_packed_logprobs_match(row, lambda r: token_logprobs(model, r), alone)
+
+
+def test_deltanet_traceable_only_on_the_kernel_whose_tree_forward_is_custom_ops(
+    tiny_hybrid, tiny_dense, monkeypatch
+):
+    """A compiled layer traces a Gated DeltaNet tree forward whole only with deltanet_kernel "triton" (one custom op
+    for the tree, one for the convolution); "torch" loops over the tree's levels; dense or not-enabled models: no."""
+    from agrpo_attention import _tree_deltanet
+
+    assert not deltanet_traceable(tiny_hybrid)  # not enabled yet
+    torch_kernel = copy.deepcopy(tiny_hybrid)
+    enable_tree_attention(torch_kernel, "reference", deltanet_kernel="torch")
+    assert not deltanet_traceable(torch_kernel)
+    monkeypatch.setitem(_tree_deltanet._UNAVAILABLE_REASON, "triton", lambda device: None)  # as on a GPU
+    triton_kernel = copy.deepcopy(tiny_hybrid)
+    enable_tree_attention(triton_kernel, "reference", deltanet_kernel="triton")
+    assert deltanet_traceable(triton_kernel)
+    dense = copy.deepcopy(tiny_dense)
+    enable_tree_attention(dense, "reference")
+    assert not deltanet_traceable(dense)

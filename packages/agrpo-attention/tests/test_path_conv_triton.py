@@ -42,15 +42,17 @@ def test_bf16_inputs_round_once(cases):
     assert max(_errors(cases["bf16"]).values()) < 1e-2
 
 
-def test_a_layer_with_both_triton_kernels_matches_the_torch_layer(cases):
-    """A Qwen3.5 Gated DeltaNet layer's tree forward with the Triton convolution and the fused Triton delta rule
+@pytest.mark.parametrize("layout", ["layer", "layer_qwen3_next"])
+def test_a_layer_with_both_triton_kernels_matches_the_torch_layer(cases, layout):
+    """A Qwen3.5 or Qwen3-Next Gated DeltaNet layer's tree forward with the Triton convolution and the fused Triton delta rule
     (q/k/v as strided views of the conv output, grouped value heads), against fp64: within 1e-5, or as close
     as the PyTorch layer in fp32 is (the gate parameters' gradients cancel in fp32 either way)."""
-    assert cases["layer"]["forks"] > 0 and cases["layer"]["levels"] > 1
-    torch_errors, triton_errors = cases["layer"]["torch"], cases["layer"]["triton"]
+    assert cases[layout]["forks"] > 0 and cases[layout]["levels"] > 1
+    torch_errors, triton_errors = cases[layout]["torch"], cases[layout]["triton"]
     worse = {n: (e, torch_errors[n]) for n, e in triton_errors.items() if e > max(1e-5, 3 * torch_errors[n])}
     assert not worse, f"Triton layer errors (and the PyTorch layer's) above tolerance: {worse}"
-    assert {"dhidden", "dconv1d.weight", "dA_log", "din_proj_qkv.weight"} <= set(triton_errors)
+    projection = "din_proj_qkvz.weight" if layout == "layer_qwen3_next" else "din_proj_qkv.weight"
+    assert {"dhidden", "dconv1d.weight", "dA_log", projection} <= set(triton_errors)
 
 
 def test_custom_op_passes_opcheck(cases):

@@ -83,6 +83,21 @@ def test_hybrid_interleaves_gated_deltanet_and_attention(tool_tokenizer):
     assert type(model.model.layers[0].linear_attn).__name__ == "Qwen3_5GatedDeltaNet"
 
 
+def test_qwen3_next_has_the_fused_layout_gated_attention_and_shared_experts(tool_tokenizer):
+    model = build_model(TinyModelSpec(kind="qwen3_next", num_layers=4), tool_tokenizer)
+    assert model.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    deltanet, attention = model.model.layers[0].linear_attn, model.model.layers[3].self_attn
+    assert hasattr(deltanet, "in_proj_qkvz") and hasattr(deltanet, "in_proj_ba")
+    assert (
+        deltanet.head_k_dim == deltanet.head_v_dim == 128 and deltanet.num_v_heads == 2 * deltanet.num_k_heads
+    )
+    assert (
+        attention.q_proj.out_features == 2 * model.config.num_attention_heads * model.config.head_dim
+    )  # + gate
+    assert all(hasattr(layer.mlp, "shared_expert") for layer in model.model.layers)
+    assert model.model.layers[0].mlp.experts.num_experts == 4 and model.config.num_experts_per_tok == 2
+
+
 def test_saved_models_load_offline_and_are_deterministic(tiny_qwen3_dir, tiny_hybrid_dir, tool_tokenizer):
     ids = torch.tensor([tool_tokenizer.encode("What is 2 + 3?")])
     for directory, kind in [(tiny_qwen3_dir, "qwen3"), (tiny_hybrid_dir, "hybrid")]:

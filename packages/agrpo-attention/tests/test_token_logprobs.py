@@ -6,7 +6,10 @@ stock transformers model, untouched. fp32 tolerances: log-probs 1e-5, parameter 
 relative (L2 per tensor). One exception, measured and asserted below: the gradients of the Gated
 DeltaNet gate parameters (A_log, dt_bias, in_proj_a) suffer catastrophic cancellation in fp32 in the
 chunked delta rule itself, so transformers' own per-sample fp32 gradients sit ~1e-3 from the fp64
-truth; for those we show exactness in fp64 and that our fp32 error is no worse than the stock one.
+truth; for those we show exactness in fp64 and that our fp32 error is no worse than the stock one. Both
+Gated DeltaNet layouts run these checks: Qwen3.5's (`tiny_hybrid`) and Qwen3-Next's (`tiny_qwen3_next`: fused
+projections, gated attention, MoE with a shared expert; fp64 runs its experts with transformers' "eager"
+experts implementation, as torch's grouped_mm takes no fp64).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from agrpo_attention import (
 from agrpo_packing import PackSample, TreeRow
 from agrpo_packing.testing import assert_packed_logprobs_match, assert_row_layout, grpo_groups
 
-GATE_PARAMETERS = ("A_log", "dt_bias", "in_proj_a")
+GATE_PARAMETERS = ("A_log", "dt_bias", "in_proj_a", "in_proj_ba")  # Qwen3-Next fuses b and a in in_proj_ba
 
 
 def stock_sequence_logprobs(model):
@@ -141,20 +144,64 @@ def test_hybrid_packed_equals_alone_logprobs_and_gradients_fp32(tree_hybrid, tin
     assert_gradients_close(grads, rtol=1e-4, gate_rtol=1e-2)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_hybrid_tree_is_exact_in_fp64_and_no_less_accurate_than_stock_in_fp32(trees, tiny_hybrid, seed):
+def double(model):
+    """An fp64 copy of `model` (MoE experts through plain matmuls: torch's grouped_mm has no fp64)."""
+    model = copy.deepcopy(model).double()
+    if hasattr(model, "set_experts_implementation") and getattr(model.config, "num_experts", None):
+        model.set_experts_implementation("eager")
+    return model
+
+
+@pytest.mark.parametrize(("kind", "seed"), [("tiny_hybrid", 0), ("tiny_hybrid", 1), ("tiny_qwen3_next", 0)])
+def test_hybrid_tree_is_exact_in_fp64_and_no_less_accurate_than_stock_in_fp32(trees, request, kind, seed):
+    stock = request.getfixturevalue(kind)
     row = trees.random_row(seed, vocab=512, prompts=2, rollouts=3, longest=90)
-    tree64 = copy.deepcopy(tiny_hybrid).double()
+    tree64 = double(stock)
     enable_tree_attention(tree64, "reference")
     alone64 = copy.deepcopy(tree64)
     grads64 = packed_and_alone_gradients(tree64, alone64, row, tree_sequence_logprobs, 1e-10)
     assert_gradients_close(grads64, rtol=1e-6)  # fp32 casts inside transformers' norms set this floor
-    tree32 = copy.deepcopy(tiny_hybrid)
+    tree32 = copy.deepcopy(stock)
     enable_tree_attention(tree32, "reference")
-    grads32 = packed_and_alone_gradients(tree32, tiny_hybrid, row, stock_sequence_logprobs, 1e-5)
+    grads32 = packed_and_alone_gradients(tree32, stock, row, stock_sequence_logprobs, 1e-5)
     for name, (packed, stock) in grads32.items():
         truth = grads64[name][1]
         assert relative(packed, truth) <= 2 * relative(stock, truth) + 1e-4, name
+
+
+def test_qwen3_next_packed_equals_its_stock_forward_alone_with_router_loss(trees, tiny_qwen3_next):
+    """fp32, against the untouched transformers model: log-probs within 1e-5, gradients within 1e-4 (the gate
+    projection's 1e-2, see the module docstring); the router aux loss of a one-sample row equals the stock one."""
+    row = trees.random_row(3, vocab=512, prompts=2, rollouts=3, longest=60)
+    tree = copy.deepcopy(tiny_qwen3_next)
+    enable_tree_attention(tree, "reference")
+    grads = packed_and_alone_gradients(tree, tiny_qwen3_next, row, stock_sequence_logprobs, 1e-5)
+    assert_gradients_close(grads, rtol=1e-4, gate_rtol=1e-2)
+    assert grads["model.layers.0.linear_attn.in_proj_qkvz.weight"][0].norm() > 0
+    ids = torch.arange(3, 40)
+    one = TreeRow(0)
+    one.add(PackSample(input_ids=ids.numpy(), trained_mask=(ids > 3).numpy(), group_id=0,
+                       advantages=np.ones(36), sampler_logprobs=np.zeros(36)))  # fmt: skip
+    packed_row = one.pack()  # the last token is only a target: the row forwards the 36 before it
+    with torch.no_grad():
+        packed = token_scores(tree, packed_row, router_aux_loss=True).aux_loss
+        direct = tiny_qwen3_next(
+            input_ids=packed_row.input_ids[None], use_cache=False, output_router_logits=True
+        ).aux_loss
+    torch.testing.assert_close(packed, direct, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_qwen3_next_flex_forward_is_exact_in_fp64(trees, tiny_qwen3_next):
+    """The flex backend (forward-only on CPU) on Qwen3-Next's gated attention layer, beside its Gated DeltaNet
+    layers: packed equals each sample alone through the tree model, fp64."""
+    row = trees.random_row(5, vocab=512, prompts=2, rollouts=3, longest=60)
+    model = double(tiny_qwen3_next)
+    enable_tree_attention(model, "flex")
+    with torch.no_grad():
+        assert_packed_logprobs_match(
+            row, lambda r: token_logprobs(model, r), tree_sequence_logprobs(model), atol=1e-10, rtol=0
+        )
 
 
 def test_a_row_without_loss_terms_gives_an_empty_differentiable_result(tree_dense):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -60,12 +62,31 @@ def test_path_conv_equals_causal_conv_along_each_path(trees):
         torch.testing.assert_close(out[positions], alone[-own:], rtol=1e-12, atol=1e-12)
 
 
-def test_tree_forward_of_a_real_layer_equals_its_stock_forward_on_each_path(trees, tiny_hybrid):
-    layer = tiny_hybrid.model.layers[0].linear_attn
+def qwen3_next_layer_of_three_key_heads():
+    """transformers' Qwen3-Next Gated DeltaNet with 3 key heads of 2 value heads each: the fused projections'
+    per-key-head groups ([q k v v z z] per key head, then [b b a a]) differ from a flat split."""
+    from transformers import Qwen3NextConfig
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+    torch.manual_seed(3)
+    config = Qwen3NextConfig(hidden_size=24, num_hidden_layers=1, layer_types=["linear_attention"],
+                             linear_num_key_heads=3, linear_num_value_heads=6, linear_key_head_dim=8,
+                             linear_value_head_dim=4, linear_conv_kernel_dim=4)  # fmt: skip
+    return Qwen3NextGatedDeltaNet(config, layer_idx=0)
+
+
+@pytest.mark.parametrize("kind", ["tiny_hybrid", "tiny_qwen3_next", "three_key_heads"])
+def test_tree_forward_of_a_real_layer_equals_its_stock_forward_on_each_path(trees, request, kind):
+    """Both projection layouts: Qwen3.5's separate projections and Qwen3-Next's fused, per-key-head grouped
+    in_proj_qkvz / in_proj_ba (several value heads per key head and several key heads, so a wrong regrouping
+    shows)."""
+    if kind == "three_key_heads":
+        layer = qwen3_next_layer_of_three_key_heads()
+    else:
+        layer = request.getfixturevalue(kind).model.layers[0].linear_attn
     row = trees.random_row(2, vocab=3)
-    hidden = torch.randn(
-        1, row.num_tokens, tiny_hybrid.config.hidden_size, generator=torch.Generator().manual_seed(0)
-    )
+    hidden_size = layer.out_proj.out_features
+    hidden = torch.randn(1, row.num_tokens, hidden_size, generator=torch.Generator().manual_seed(0))
     plan = build_deltanet_plan(row, int(layer.conv1d.weight.shape[-1]), "cpu")
     with torch.no_grad():
         out = tree_deltanet_forward(layer, hidden, plan, "torch")
@@ -82,8 +103,18 @@ def test_kernel_choice_and_layout_check_refuse_clearly():
         resolve_delta_rule_kernel("triton", torch.device("cpu"))
     with pytest.raises(BackendUnavailableError, match="expected 'auto'"):
         resolve_delta_rule_kernel("cuda", torch.device("cpu"))
-    with pytest.raises(UnsupportedModelError, match="in_proj_qkvz is not supported"):
+    with pytest.raises(UnsupportedModelError, match=r"layers.0.linear_attn \(Linear\).*Qwen3.5.*Qwen3-Next"):
         check_deltanet_module(torch.nn.Linear(2, 2), "model.layers.0.linear_attn")
+
+
+def test_a_layout_half_fused_is_refused_naming_both_layouts(tiny_qwen3_next):
+    """A Gated DeltaNet with the fused qkvz projection but no in_proj_ba (neither layout) is refused whole."""
+    layer = copy.deepcopy(tiny_qwen3_next.model.layers[0].linear_attn)
+    del layer.in_proj_ba
+    with pytest.raises(
+        UnsupportedModelError, match=r"in_proj_qkvz/in_proj_ba\): \['in_proj_qkvz', 'in_proj_ba'"
+    ):
+        check_deltanet_module(layer, "model.layers.0.linear_attn")
 
 
 @pytest.mark.parametrize(

@@ -103,6 +103,15 @@ def test_a_qwen3_5_hybrid_is_refused_before_start_up_naming_why_and_what_to_do(m
         VLLMServer(model_dir=tmp_path).start(python=tmp_path / "no-python")  # refused before anything runs
 
 
+def test_a_qwen3_next_in_float32_is_refused_before_start_up_naming_the_dtype(monkeypatch, tmp_path):
+    monkeypatch.delenv(ATTACH_URL_ENV, raising=False)
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_next"}')
+    with pytest.raises(DevServerError, match=r"bfloat16 only.*dtype='float32'.*dtype='bfloat16'"):
+        VLLMServer(model_dir=tmp_path).start(python=tmp_path / "no-python")
+    command = VLLMServer(model_dir=tmp_path, dtype="bfloat16").command(tmp_path)
+    assert command[command.index("--dtype") + 1] == "bfloat16"
+
+
 def test_attaching_uses_the_running_server_and_leaves_it_running(vllm_server, tiny_qwen3_dir):
     with VLLMServer(model_dir=tiny_qwen3_dir, attach_url=vllm_server.url, max_model_len=64) as server:
         assert server.process is None and server.url == vllm_server.url

@@ -26,7 +26,8 @@ from agrpo_sync import (
     WeightSyncConfig,
     WeightSyncError,
 )
-from agrpo_sync._start_checks import choose_backend, has_tied_embedding
+from agrpo_sync._param_stream import plain_entries
+from agrpo_sync._start_checks import choose_backend, has_tied_embedding, kept_on_cpu_server
 
 ROOT = Path(__file__).resolve().parents[3]
 RANK_SCRIPT = Path(__file__).with_name("fsdp_sync_rank.py")
@@ -62,6 +63,33 @@ def test_backend_choice_for_plain_and_lora_models(tiny_model):
     assert choose_backend(_config(), peft, [_info(), _info(lora_enabled=False)]) == "nccl"
     with pytest.raises(SyncSetupError, match="--enable-lora"):
         choose_backend(_config(lora_sync="adapter"), peft, [_info(), _info(lora_enabled=False)])
+
+
+def test_routed_experts_stay_on_a_cpu_server_frozen_and_are_refused_trainable():
+    """vLLM 0.32's CPU reload overwrites its packed routed experts unpacked (the server then computes garbage): a
+    full-weight sync to a CPU server leaves frozen experts out and refuses trainable ones, naming the fix; routers
+    and shared experts are sent. LoRA is refused there both ways (merged weights carry the experts; with
+    --enable-lora the CPU engine's MoE layers need Triton). GPU servers take the model as it is."""
+    model = build_model(TinyModelSpec(kind="qwen3_next", num_layers=4), build_tokenizer())
+    cpu, gpu = [_info(device="cpu")], [_info(device="cuda")]
+    with pytest.raises(
+        SyncSetupError, match=r"experts would be sent \(model.layers.0.mlp.experts.*requires_grad_"
+    ):
+        kept_on_cpu_server(model, cpu, "full")
+    assert kept_on_cpu_server(model, gpu, "full") == kept_on_cpu_server(model, gpu, "adapter") == frozenset()
+    with pytest.raises(SyncSetupError, match="engine dies at the first adapter request.*without peft_config"):
+        kept_on_cpu_server(model, cpu, "adapter")
+    for layer in model.model.layers:
+        layer.mlp.experts.requires_grad_(False)
+    kept = kept_on_cpu_server(model, cpu, "full")
+    assert kept == {n for n, _ in model.named_parameters() if ".mlp.experts." in n} and len(kept) == 8
+    sent = {e.meta.name for e in plain_entries(model, None, (), kept)}
+    assert not sent & kept and "model.layers.0.mlp.shared_expert.up_proj.weight" in sent
+    assert "model.layers.0.mlp.gate.weight" in sent
+    peft = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"]))
+    with pytest.raises(SyncSetupError, match="merged LoRA weights"):
+        kept_on_cpu_server(peft, cpu, "full")
+    assert kept_on_cpu_server(build_model(TinyModelSpec(), build_tokenizer()), cpu, "full") == frozenset()
 
 
 def _free_port() -> int:

@@ -1,12 +1,17 @@
 """`LayerRegions`: compiled decoder layers give eager's log-probs and gradients (inductor on CPU under bf16
 autocast, aot_eager in fp32); one graph per mode serves tree and plain rows of
-every size; Gated DeltaNet layers, and MoE layers while router logits are recorded, stay eager; the
+every size; Gated DeltaNet layers on the PyTorch or fla kernels, and MoE layers while router logits are recorded,
+stay eager, and on agrpo's Triton kernels they compile without a graph break (run through Triton's interpreter); the
 trainer compiles per layer and keeps accelerate from compiling the whole model. Structural checks trace
 with dynamo's `eager` backend (graphs counted, nothing lowered), which costs seconds, not minutes."""
 
 from __future__ import annotations
 
 import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,6 +98,23 @@ def test_compiled_full_checkpointing_matches_eager_in_fp32():
         lp_e, grads_e = _scores_and_grads(eager, row, amp=False)
         torch.testing.assert_close(lp_c, lp_e, rtol=1e-5, atol=1e-5)
         assert max(_relative(grads_c[n], grads_e[n]) for n in grads_e) < 1e-4
+
+
+def test_gated_deltanet_layers_compile_without_a_graph_break_on_the_triton_kernels():
+    """The CPU seam of compiled hybrid layers on the GPU (`deltanet_region_case.py`, Triton's interpreter running
+    agrpo's kernels): with deltanet_kernel "triton" every layer of a Qwen3.5-style hybrid compiles (aot_eager, full
+    checkpointing), dynamo breaks no graph over two rows of different sizes, one graph per kind of layer (plus at
+    most one for the other row), and log-probs and gradients equal the eager regions' (fp32)."""
+    run = subprocess.run([sys.executable, "deltanet_region_case.py"], capture_output=True, text=True, timeout=900,
+                         cwd=Path(__file__).parent)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-4000:]
+    case = json.loads(run.stdout.strip().splitlines()[-1])
+    assert case["compiled_layers"] == [True] * 4, case
+    assert case["graph_breaks"] == 0 and case["break_reasons"] == [], case
+    assert 2 <= case["graphs"] <= 3 and case["tokens"][0] != case["tokens"][1], case
+    assert (
+        case["logprob_diff"] < 1e-5 and case["grad_rel_diff"] < 1e-4 and case["parameters_with_grad"] > 40
+    ), case
 
 
 def test_gated_deltanet_layers_stay_eager_and_attention_layers_compile():

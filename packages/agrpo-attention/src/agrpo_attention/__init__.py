@@ -13,7 +13,7 @@ from ._exceptions import (
     TreePlanMissingError,
     UnsupportedModelError,
 )
-from ._model_patch import enable_tree_attention
+from ._model_patch import deltanet_traceable, enable_tree_attention
 from ._token_logprobs import TokenScores, gathered_logprobs, token_logprobs, token_scores
 from ._tree_plan import TreePlan, build_tree_plan
 
@@ -31,6 +31,7 @@ __all__ = [
     "UnsupportedModelError",
     "available_backends",
     "build_tree_plan",
+    "deltanet_traceable",
     "enable_tree_attention",
     "gathered_logprobs",
     "token_logprobs",

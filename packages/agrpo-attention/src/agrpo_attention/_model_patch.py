@@ -1,7 +1,7 @@
 """`enable_tree_attention`: switch a stock transformers decoder to tree attention, explicitly, per model.
 
 Owns the checks that refuse what tree attention cannot run (layer types other than full attention and
-Qwen3.5-style Gated DeltaNet, other recurrent mixers, softcapping on a backend without it, models that
+Gated DeltaNet in the Qwen3.5 or Qwen3-Next layout, other recurrent mixers, softcapping on a backend without it, models that
 do not route attention through transformers' `AttentionInterface`), the switch of
 `attn_implementation` to "agrpo_tree", the per-instance patch of each Gated DeltaNet module's forward
 (its tree path runs only when a tree plan is passed; without one the stock forward runs), and the
@@ -20,7 +20,12 @@ from ._attention_backend import AttentionBackend
 from ._backends import resolve_backend
 from ._exceptions import UnsupportedModelError
 from ._tree_attention import ATTENTION_NAME, register_tree_attention
-from ._tree_deltanet import check_deltanet_module, resolve_delta_rule_kernel, tree_deltanet_forward
+from ._tree_deltanet import (
+    TRACED_KERNELS,
+    check_deltanet_module,
+    resolve_delta_rule_kernel,
+    tree_deltanet_forward,
+)
 
 _SETTINGS_ATTRIBUTE = "_agrpo_tree_settings"
 _SUPPORTED_LAYER_TYPES = ("full_attention", "linear_attention")
@@ -38,7 +43,7 @@ class TreeSettings:
     conv_kernel_size: int | None
     """Gated DeltaNet convolution taps; None when the model has no such layer."""
     deltanet_kernel: str | None
-    """"torch" or "fla"; None when the model has no Gated DeltaNet layer."""
+    """"torch", "triton" or "fla"; None when the model has no Gated DeltaNet layer."""
 
 
 def tree_settings(model: torch.nn.Module) -> TreeSettings:
@@ -53,6 +58,16 @@ def tree_settings(model: torch.nn.Module) -> TreeSettings:
             f"{type(model).__name__} is not tree-enabled: call enable_tree_attention(model) first"
         )
     return settings
+
+
+def deltanet_traceable(model: torch.nn.Module) -> bool:
+    """True when tree-enabled `model` has Gated DeltaNet layers whose tree forward a torch.compile'd decoder layer
+    traces whole, for rows of any shape (deltanet_kernel "triton": custom ops only); False with "torch" or "fla"
+    (a host loop over the row's tree levels), without such layers, or before `enable_tree_attention`."""
+    settings = getattr(model, _SETTINGS_ATTRIBUTE, None) or getattr(
+        getattr(model, "module", None), _SETTINGS_ATTRIBUTE, None
+    )
+    return settings is not None and settings.deltanet_kernel in TRACED_KERNELS
 
 
 def _text_config(model: torch.nn.Module):
@@ -80,7 +95,8 @@ def _deltanet_modules(model: torch.nn.Module, config) -> list[tuple[str, torch.n
     if layer_types.count("linear_attention") != len(found):
         raise UnsupportedModelError(
             f"config lists {layer_types.count('linear_attention')} linear_attention layers but the model has "
-            f"{len(found)} Gated DeltaNet modules; only Qwen3.5-style Gated DeltaNet linear attention is supported"
+            f"{len(found)} Gated DeltaNet modules; only Gated DeltaNet linear attention (Qwen3.5 or Qwen3-Next "
+            "layout) is supported"
         )
     return found
 

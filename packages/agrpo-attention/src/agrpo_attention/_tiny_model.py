@@ -2,9 +2,12 @@
 
 Owns `TinyModelSpec` and the builders: a Qwen3-style dense decoder, a Gated DeltaNet hybrid in the
 Qwen3.5 style (transformers' `qwen3_5` text model: 3 linear-attention layers to 1 full-attention layer,
-as the real checkpoints interleave them) and a Qwen3-MoE (for the router loss); `save_tiny_model`
-writes one with its tokenizer so vLLM and transformers load it from disk. Does not know vLLM, training
-or packing. vLLM's CPU attention needs head_dim in {32, 64, 80, 96, 112, 128, ...}; the defaults use 32.
+as the real checkpoints interleave them), the same interleave in the Qwen3-Next layout (`qwen3_next`: fused
+Gated DeltaNet projections, gated attention, MoE with a shared expert in every layer) and a Qwen3-MoE (for the
+router loss); `save_tiny_model` writes one with its tokenizer so vLLM and transformers load it from disk. Does
+not know vLLM, training or packing. vLLM's CPU attention needs head_dim in {32, 64, 80, 96, 112, 128, ...}; the
+defaults use 32. vLLM's CPU Gated DeltaNet runs bf16 with 128-wide heads only, so `qwen3_next` (the hybrid the
+CPU server serves) has Gated DeltaNet heads of 128 whatever `head_dim` says.
 """
 
 from __future__ import annotations
@@ -20,14 +23,15 @@ class TinyModelSpec:
     """Shape of a tiny random model; defaults are the smallest that vLLM's CPU backend serves."""
 
     kind: str = "qwen3"
-    """`qwen3` (dense), `hybrid` (Gated DeltaNet + attention, transformers' `qwen3_5` text model) or `moe`
-    (Qwen3-MoE: 4 experts, 2 per token, for the router loss)."""
+    """`qwen3` (dense), `hybrid` (Gated DeltaNet + attention, transformers' `qwen3_5` text model),
+    `qwen3_next` (the same interleave in Qwen3-Next's layout: fused projections, gated attention, 4 experts, 2
+    per token, and a shared expert) or `moe` (Qwen3-MoE: 4 experts, 2 per token, for the router loss)."""
     vocab_size: int = 512
     """Equals the tokenizer's size, 300..4096."""
     hidden_size: int = 64
     intermediate_size: int = 128
     num_layers: int = 2
-    """For `hybrid`, every fourth layer is full attention (and the last layer always is)."""
+    """For `hybrid` and `qwen3_next`, every fourth layer is full attention (and the last layer always is)."""
     num_heads: int = 2
     num_kv_heads: int = 1
     head_dim: int = 32
@@ -58,13 +62,17 @@ def _qwen3_config(spec: TinyModelSpec, special_ids: dict[str, int]):
     )
 
 
+def _hybrid_layer_types(num_layers: int) -> list[str]:
+    return [
+        "full_attention" if (i % 4 == 3 or i == num_layers - 1) else "linear_attention"
+        for i in range(num_layers)
+    ]
+
+
 def _hybrid_config(spec: TinyModelSpec, special_ids: dict[str, int]):
     from transformers import Qwen3_5TextConfig
 
-    layer_types = [
-        "full_attention" if (i % 4 == 3 or i == spec.num_layers - 1) else "linear_attention"
-        for i in range(spec.num_layers)
-    ]
+    layer_types = _hybrid_layer_types(spec.num_layers)
     return Qwen3_5TextConfig(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
@@ -79,6 +87,37 @@ def _hybrid_config(spec: TinyModelSpec, special_ids: dict[str, int]):
         linear_key_head_dim=spec.head_dim // 2,
         linear_value_head_dim=spec.head_dim // 2,
         linear_conv_kernel_dim=4,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        **special_ids,
+    )
+
+
+QWEN3_NEXT_DELTANET_HEAD_DIM = 128
+"""The Gated DeltaNet head size of `qwen3_next`: the only one vLLM's CPU delta rule runs."""
+
+
+def _qwen3_next_config(spec: TinyModelSpec, special_ids: dict[str, int]):
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        layer_types=_hybrid_layer_types(spec.num_layers),
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,  # two value heads per key head: the fused layout's grouping is exercised
+        linear_key_head_dim=QWEN3_NEXT_DELTANET_HEAD_DIM,
+        linear_value_head_dim=QWEN3_NEXT_DELTANET_HEAD_DIM,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=spec.intermediate_size // 2,
+        shared_expert_intermediate_size=spec.intermediate_size // 2,
         max_position_embeddings=spec.max_position_embeddings,
         tie_word_embeddings=spec.tie_word_embeddings,
         **special_ids,
@@ -115,7 +154,12 @@ def build_model(spec: TinyModelSpec, tokenizer):
         "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
         "pad_token_id": tokenizer.pad_token_id,
     }
-    builders = {"qwen3": _qwen3_config, "hybrid": _hybrid_config, "moe": _moe_config}
+    builders = {
+        "qwen3": _qwen3_config,
+        "hybrid": _hybrid_config,
+        "qwen3_next": _qwen3_next_config,
+        "moe": _moe_config,
+    }
     if spec.kind not in builders:
         raise ValueError(f"kind={spec.kind!r}; expected one of {sorted(builders)}")
     config = builders[spec.kind](spec, special_ids)

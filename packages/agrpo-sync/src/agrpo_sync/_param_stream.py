@@ -1,6 +1,7 @@
 """`ParamStream`: the trainer's weights as full tensors, in checkpoint names, gathered in bounded buckets.
 
-Owns which parameters are sent (frozen non-text towers of vision-language models are skipped), their
+Owns which parameters are sent (frozen non-text towers of vision-language models are skipped, and names the
+sync keeps out, such as the frozen routed experts a CPU server must keep: `_start_checks.py`), their
 wire names (wrapper segments such as `_checkpoint_wrapped_module` and `_orig_mod` removed), their wire
 dtype, and the FSDP2 gather: parameters are grouped into buckets of at most `bucket_bytes` of full
 tensors and each bucket's `DTensor.full_tensor()` all-gathers run together, so at most one bucket of
@@ -61,11 +62,14 @@ def frozen_non_text(named: list[tuple[str, torch.Tensor]], non_text: tuple[str, 
 
 
 def plain_entries(
-    model: torch.nn.Module, dtype: torch.dtype | None, non_text: tuple[str, ...]
+    model: torch.nn.Module,
+    dtype: torch.dtype | None,
+    non_text: tuple[str, ...],
+    kept: frozenset[str] = frozenset(),
 ) -> list[WireEntry]:
-    """One entry per parameter of a model without adapters, frozen non-text towers left out."""
+    """One entry per parameter of a model without adapters, frozen non-text towers and `kept` names left out."""
     named = list(model.named_parameters())
-    skipped = frozen_non_text(named, non_text)
+    skipped = frozen_non_text(named, non_text) | kept
     return [
         WireEntry(meta=TensorMeta(clean_name(n), dtype or p.dtype, tuple(p.shape)), sources=(p,))
         for n, p in named

@@ -6,7 +6,12 @@ server can serve it and `lora_sync` allows, merged weights otherwise) and the st
 full-weight sync: the server's transfer flag (an error naming the flag), a dtype mismatch (a warning)
 and a tied embedding on a CPU server (a warning: vLLM 0.32's CPU backend prepacks the tied `lm_head`
 at load and its in-place reload never re-processes it, so embedding updates reach the input side only;
-GPU servers have no such copy). With several servers every one is checked, and they must all take the
+GPU servers have no such copy), and routed MoE experts on a CPU server (`kept_on_cpu_server`: vLLM 0.32's CPU
+backend packs them into its grouped-GEMM layout at load, and its in-place reload copies plain weights over the
+packed ones without packing them, so the server computes garbage after any reload that includes them, even of
+unchanged values; frozen experts are left out of every sync, trainable ones are refused naming the fix, and so is
+LoRA: merged weights carry every expert, and adapters crash the CPU engine's MoE layers). With
+several servers every one is checked, and they must all take the
 same backend (under `lora_sync="auto"`, one that cannot serve adapters makes all of them take merged
 weights). Does not know how anything is sent.
 """
@@ -90,6 +95,46 @@ def check_full_sync(
         )
 
 
+def routed_expert_names(model: torch.nn.Module) -> list[tuple[str, bool]]:
+    """(name, requires_grad) of every parameter of a routed expert bank: the `experts` of a module that also has
+    a router `gate` (transformers' MoE blocks; a shared expert is a plain MLP and is not listed)."""
+    banks = [
+        f"{n}.experts." if n else "experts."
+        for n, m in model.named_modules()
+        if hasattr(m, "experts") and hasattr(m, "gate")
+    ]
+    return [(n, p.requires_grad) for n, p in model.named_parameters() if any(b in n for b in banks)]
+
+
+def kept_on_cpu_server(model: torch.nn.Module, infos: list[ServerInfo], view: str) -> frozenset[str]:
+    """Names a full-weight sync leaves out because a CPU server must keep its own copy: the routed experts (see
+    the module docstring). Empty without a CPU server or without experts. Raises SyncSetupError when the experts
+    would have to be sent (trainable, or merged LoRA weights) and for adapter sync, which such a server cannot
+    serve."""
+    cpu = [info for info in infos if info.device == "cpu"]
+    experts = routed_expert_names(model)
+    if not cpu or not experts:
+        return frozenset()
+    if view == "adapter":
+        raise SyncSetupError(
+            f"LoRA adapters on a CPU server (vLLM {cpu[0].version}) for a model with routed MoE experts: with "
+            "--enable-lora its MoE layers run a Triton kernel the CPU build cannot run, and the engine dies at the "
+            "first adapter request (measured on Qwen3-Next, an adapter on attention and Gated DeltaNet only). Train "
+            "without peft_config (routed experts frozen), or serve from a GPU vLLM server"
+        )
+    trained = [n for n, requires_grad in experts if requires_grad]
+    if trained or has_lora(model):
+        raise SyncSetupError(
+            f"the server runs on CPU (vLLM {cpu[0].version}) and the model's routed MoE experts would be sent "
+            f"({trained[0] if trained else 'merged LoRA weights'}, ...): its CPU backend packs them at start-up "
+            "and its in-place reload overwrites the packed weights without packing them, after which the server "
+            "computes garbage. Freeze the routed experts (e.g. `for layer in model.model.layers: "
+            "layer.mlp.experts.requires_grad_(False)`; routers and shared experts still train), use adapter-only "
+            "LoRA sync (a server with --enable-lora), or serve from a GPU vLLM server"
+        )
+    return frozenset(n for n, _ in experts)
+
+
 def start_sender(
     sync_cls: type, config: WeightSyncConfig, model: torch.nn.Module, transport, world_size: int
 ):
@@ -107,6 +152,7 @@ def start_sender(
     sync = sync_cls(
         config=config, backend_name=name, backend=backend, controls=controls, rank=0, world_size=world_size
     )
+    sync.kept = kept_on_cpu_server(model, infos, backend.view)
     stream = sync.param_stream(model)
     if backend.view == "full":
         for info in infos:

@@ -93,10 +93,11 @@ class WeightSync:
         self.controls = controls
         """One per server, on the sending rank (empty elsewhere)."""
         self.roster = ServerRoster(controls)
-        self.rank = rank
-        self.world_size = world_size
-        self._bytes_sent = 0
-        self._peak_gather_bytes = 0
+        self.rank, self.world_size = rank, world_size
+        self._bytes_sent = self._peak_gather_bytes = 0
+        self.kept: frozenset[str] = (
+            frozenset()
+        )  # left out of full syncs: the servers keep their own (_start_checks)
         self.manifest: Manifest | None = None
         """What the server holds, to check each sync against (rank 0): its `/weight_info`, else the first sync."""
         self._lock = threading.Lock()
@@ -120,25 +121,24 @@ class WeightSync:
         *,
         transport: ChunkTransport | Callable[[], ChunkTransport] | None = None,
     ):
-        """Check the servers, choose the backend, and do its one-time setup (e.g. the NCCL rendezvous).
-
-        Call on every trainer rank. `transport` replaces the NCCL transport (tests use a gloo one); with
-        several servers, pass a callable that makes one per server.
-        """
+        """Check the servers, choose the backend, and do its one-time setup (e.g. the NCCL rendezvous). Call on
+        every trainer rank. `transport` replaces the NCCL transport (tests use a gloo one); with several servers,
+        pass a callable that makes one per server."""
         rank, world_size = _ranks()
         if rank != 0:
-            name = cls._share(None, world_size)
+            name, kept = cls._share((None, frozenset()), world_size)
             if name is None:
                 raise WeightSyncError("rank 0 could not start the weight sync; its error says why")
-            return cls(
+            follower = cls(
                 config=config, backend_name=name, backend=None, controls=[], rank=rank, world_size=world_size
             )
-        name = None
+            follower.kept = kept  # rank 0's: every rank streams the same tensors
+            return follower
+        sync = None
         try:
             sync = start_sender(cls, config, model, transport, world_size)
-            name = sync.backend_name
         finally:
-            cls._share(name, world_size)
+            cls._share((sync.backend_name, sync.kept) if sync else (None, frozenset()), world_size)
         return sync
 
     @staticmethod
@@ -159,7 +159,7 @@ class WeightSync:
         elif has_lora(model):
             entries = merged_entries(model, dtype, self.config.non_text_modules)
         else:
-            entries = plain_entries(model, dtype, self.config.non_text_modules)
+            entries = plain_entries(model, dtype, self.config.non_text_modules, self.kept)
         return ParamStream(entries, bucket_bytes=self.config.gather_bucket_bytes)
 
     def sync(self, model: torch.nn.Module, version: int) -> SyncTimings:

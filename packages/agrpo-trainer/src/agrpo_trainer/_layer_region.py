@@ -15,9 +15,12 @@ the graph (`TreePlan.attend`: traced backends such as varlen and flex, or the re
 Row sizes vary every step: the region compiles with dynamic shapes from the start and only the weights
 marked static, so one graph per mode and kind of row serves every row (kinds: rows that share nothing
 or something, and the kernel `adaptive` picks; 2-3 graphs per mode, counted in tests and the benchmark).
-Layers left eager, per layer: those holding a Gated DeltaNet mixer (its tree scan loops over the row's
-levels on the host and would compile once per row shape), and MoE layers while the router loss records
-router logits (transformers' output-capturing hooks read a ContextVar, a graph break inside the
+Gated DeltaNet layers compile like dense ones when their tree forward is custom ops only
+(agrpo-attention's `deltanet_traceable`: deltanet_kernel "triton", the whole tree in one
+`agrpo::delta_rule_forward` and the convolution in `agrpo::path_conv_forward`, fake and autograd registered: one
+graph, no break, tested on CPU through Triton's interpreter). Layers left eager, per layer: those holding a Gated
+DeltaNet mixer on the "torch" or "fla" kernel (their tree scan loops over the row's levels on the host and would
+compile once per tree shape), and MoE layers while the router loss records router logits (transformers' output-capturing hooks read a ContextVar, a graph break inside the
 checkpoint; without the router loss a Qwen3-MoE layer compiles into one graph, tested). Forwards without
 gradients (the parity probe) run the layer as it was. transformers' own gradient checkpointing is
 switched off on the layers (this replaces it). Does not know the loss, the optimizer or rows.
@@ -29,6 +32,8 @@ import logging
 from dataclasses import dataclass
 
 import torch
+
+from agrpo_attention import deltanet_traceable
 
 from ._activation_checkpointing import (
     CHECKPOINT_MODES,
@@ -43,7 +48,7 @@ from ._weight_cast import WeightCast, castable_names
 logger = logging.getLogger("agrpo_trainer")
 
 _EAGER_MIXERS = ("GatedDeltaNet",)
-"""Module class-name endings that keep their layer eager (see the module docstring)."""
+"""Module class-name endings that keep their layer eager unless their tree forward traces (module docstring)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -175,10 +180,11 @@ def _contains(outer: torch.nn.Module, inner: torch.nn.Module) -> bool:
     return any(m is inner for m in outer.modules())
 
 
-def eager_reason(layer: torch.nn.Module, *, router_logits: bool) -> str | None:
-    """Why `layer` stays eager under compile (see the module docstring), or None when it compiles."""
-    if any(type(m).__name__.endswith(_EAGER_MIXERS) for m in layer.modules()):
-        return "Gated DeltaNet"
+def eager_reason(layer: torch.nn.Module, *, router_logits: bool, deltanet_traced: bool = False) -> str | None:
+    """Why `layer` stays eager under compile (see the module docstring), or None when it compiles.
+    `deltanet_traced`: the model's Gated DeltaNet tree forward traces whole (`deltanet_traceable`)."""
+    if not deltanet_traced and any(type(m).__name__.endswith(_EAGER_MIXERS) for m in layer.modules()):
+        return "Gated DeltaNet (deltanet_kernel torch/fla)"
     if router_logits and any(hasattr(m, "experts") and hasattr(m, "gate") for m in layer.modules()):
         return "MoE with router logits recorded"
     return None
@@ -233,9 +239,14 @@ class LayerRegions:
         layers = decoder_layers(model)
         self.device = next(model.parameters()).device
         self.regions, eager = [], {}
+        traced = deltanet_traceable(model)
         for index, layer in enumerate(layers):
             layer.gradient_checkpointing = False  # this region checkpoints instead of transformers
-            reason = eager_reason(layer, router_logits=router_logits) if self.settings.compile else None
+            reason = (
+                eager_reason(layer, router_logits=router_logits, deltanet_traced=traced)
+                if self.settings.compile
+                else None
+            )
             if reason is not None:
                 eager[reason] = eager.get(reason, 0) + 1
             layer.forward = LayerRegion(layer, index, self, compiled=self.settings.compile and reason is None)
