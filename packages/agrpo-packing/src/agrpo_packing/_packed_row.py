@@ -66,6 +66,10 @@ class PackedRow:
     """Flat int64 candidate ids of every loss term's sampling set, term after term."""
     sampling_mask_offsets: torch.Tensor | None = None
     """(M + 1,) loss term m's set is `sampling_mask_ids[offsets[m]:offsets[m+1]]`."""
+    routed_experts: torch.Tensor | None = None
+    """(N, num_hidden_layers, top_k) int16 experts the sampler routed each packed token to (MoE routing
+    replay), aligned with `input_ids`; -1 in every slot of a token without a route (it routes live). Entries
+    of non-MoE layers are zeros and ignored."""
 
     @property
     def num_tokens(self) -> int:
