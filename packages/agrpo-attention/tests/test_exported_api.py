@@ -4,6 +4,7 @@ import agrpo_attention
 
 EXPECTED = [
     "BackendUnavailableError",
+    "RoutingReplaySettings",
     "TokenScores",
     "TreeAttentionError",
     "TreePlan",
@@ -11,6 +12,7 @@ EXPECTED = [
     "UnsupportedModelError",
     "available_backends",
     "build_tree_plan",
+    "enable_routing_replay",
     "enable_tree_attention",
     "gathered_logprobs",
     "token_logprobs",
