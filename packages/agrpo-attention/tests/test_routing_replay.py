@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -333,3 +335,14 @@ def test_routes_on_an_unpatched_model_warn_once_and_route_live():
     with pytest.warns(RuntimeWarning, match="enable_routing_replay"):
         scores = token_scores(model, routed)
     assert scores.route_matches is None and torch.equal(scores.logprobs, token_scores(model, row).logprobs)
+
+
+def test_the_readme_routing_replay_example_runs(capsys):
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = re.search(r"## MoE routing replay\n\n```python\n(.*?)```", readme, re.DOTALL).group(1)
+    names: dict = {"__name__": "readme"}
+    exec(compile(code, "README.md", "exec"), names)
+    assert "RoutingReplaySettings(replay=True" in capsys.readouterr().out
+    assert names["model"].model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
+    matching, routed = names["scores"].route_matches.tolist()
+    assert routed == 2 * (names["packed"].num_tokens - 1) and 0 <= matching < routed
