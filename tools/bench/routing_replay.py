@@ -25,12 +25,14 @@ from agrpo_packing import TreeRow
 from agrpo_packing.testing import GroupShape, random_grpo_groups
 
 SHAPES = {
+    "tiny": dict(hidden=64, experts=4, top_k=2, expert_width=32, layers=2, heads=2, prompts=1, vocab=512),
     "small": dict(hidden=256, experts=8, top_k=2, expert_width=128, layers=4, heads=4, prompts=1, vocab=4096),
     "qwen3_30b_a3b": dict(
         hidden=2048, experts=128, top_k=8, expert_width=768, layers=4, heads=32, prompts=8, vocab=151936
     ),
 }
-"""`qwen3_30b_a3b`: that model's layer shape (4 of its 48 layers), for a GPU."""
+"""`tiny`: the smoke test's; `small`: the CPU measurement's; `qwen3_30b_a3b`: that model's layer shape (4 of its 48
+layers), for a GPU."""
 
 
 def _model(shape: dict, device: str, dtype: torch.dtype):
@@ -82,13 +84,16 @@ def _step_ms(model, row, device: str) -> float:
     return 1e3 * (time.perf_counter() - start)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    """Run the measurement; returns each variant's median milliseconds."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--shape", default="small", choices=sorted(SHAPES))
     parser.add_argument("--repeats", type=int, default=11)
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads (1: steadier on a shared machine)")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--threads", type=int, default=1, help="CPU threads (1: steadier on a shared machine)"
+    )
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     shape = SHAPES[args.shape]
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
@@ -109,10 +114,11 @@ def main() -> None:
             elapsed = _step_ms(model, this_row, args.device)
             if repeat:
                 times[name].append(elapsed)
-    live = statistics.median(times["live"])
+    medians = {name: statistics.median(values) for name, values in times.items()}
     for name, values in times.items():
-        median = statistics.median(values)
-        print(f"{name:9s}: {median:8.1f} ms  ({median / live:.3f}x live; spread {min(values):.1f}-{max(values):.1f})")
+        print(f"{name:9s}: {medians[name]:8.1f} ms  ({medians[name] / medians['live']:.3f}x live; spread "
+              f"{min(values):.1f}-{max(values):.1f})")  # fmt: skip
+    return medians
 
 
 if __name__ == "__main__":

@@ -160,6 +160,8 @@ def test_compiled_checkpointed_moe_layers_replay_the_sampler_routes_in_one_graph
             )
             > 1e-3
         )
+    counts = [token_scores(model, row).route_matches for model in (compiled, eager)]  # the compiled count
+    assert torch.equal(*counts) and counts[0][1] == 2 * (row.num_tokens - 1)
     assert _graphs() - before == 1 and sum(counters["graph_break"].values()) == breaks
 
 

@@ -154,7 +154,9 @@ def _replay_layer_class(stock: type) -> type:
             f"layer.{self.agrpo_router_name}.{_ROUTES_BUFFER}": layer_routes,
             f"layer.{self.agrpo_router_name}.{_COUNTS_BUFFER}": layer_route_counts,
         }
-        return torch.func.functional_call(self.agrpo_class_forward, swapped, (hidden_states, *args), kwargs)
+        return torch.func.functional_call(
+            self.agrpo_class_forward, swapped, (hidden_states, *args), kwargs, tie_weights=False
+        )
 
     forward.__doc__ = "The stock forward, with this layer's routes (forward kwargs) in its router's buffers."
     return type(f"RoutingReplay{stock.__name__}", (stock,), {"forward": forward})
