@@ -29,12 +29,21 @@ from agrpo_attention import (
     token_logprobs,
     token_scores,
 )
+from agrpo_attention import _token_logprobs as token_logprobs_module
 from agrpo_attention.testing import TinyModelSpec, build_model, build_tokenizer
 from agrpo_packing import PackSample, TreeRow
 from agrpo_packing.testing import GroupShape, assert_packed_logprobs_match, random_grpo_groups
 
 FAMILIES = ("moe", "olmoe", "mixtral", "qwen3_next")
 NUM_EXPERTS, TOP_K = 4, 2
+
+
+@pytest.fixture(autouse=True)
+def live_rows_on_replaying_models_are_expected(monkeypatch):
+    """Tests forward rows without routes through replaying models on purpose (the live side of a
+    comparison): the once-per-process warning about it is marked as given; the tests of the warnings reset it."""
+    monkeypatch.setattr(token_logprobs_module, "_warned_missing_routes", True)
+    monkeypatch.setattr(token_logprobs_module, "_warned_unpatched_routes", False)
 
 
 def stock_model(kind: str, dtype=torch.float32):
@@ -346,3 +355,14 @@ def test_the_readme_routing_replay_example_runs(capsys):
     assert names["model"].model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
     matching, routed = names["scores"].route_matches.tolist()
     assert routed == 2 * (names["packed"].num_tokens - 1) and 0 <= matching < routed
+
+
+def test_a_row_without_routes_on_a_replaying_model_warns_once_and_routes_live(monkeypatch):
+    monkeypatch.setattr(token_logprobs_module, "_warned_missing_routes", False)
+    model = replay_model(stock_model("olmoe"))
+    row = grpo_row()
+    with pytest.warns(RuntimeWarning, match="routing replay is on but a row carries no routed_experts"):
+        scores = token_scores(model, row)
+    assert scores.route_matches is None
+    enable_routing_replay(model, replay=False)
+    assert torch.equal(scores.logprobs, token_scores(model, row).logprobs)

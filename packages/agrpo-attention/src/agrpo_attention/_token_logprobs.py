@@ -227,15 +227,31 @@ def _check_requests(model, packed_row: PackedRow, plan: TreePlan | None, top_ids
 
 
 _warned_unpatched_routes = False
+_warned_missing_routes = False
+
+
+def _warn_missing_routes() -> None:
+    global _warned_missing_routes
+    if not _warned_missing_routes:
+        _warned_missing_routes = True
+        warnings.warn(
+            "routing replay is on but a row carries no routed_experts, so its tokens route live: ask the "
+            "server for the routed experts of each sample (the rollout's routed-experts option)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
 
 def _row_routes(model, packed_row: PackedRow, device) -> RowRoutes | None:
     """The row's checked routes on `device` when it carries some and the model was patched; warns once when
-    a row carries routes the model cannot use (never patched by `enable_routing_replay`)."""
+    a row carries routes the model cannot use (never patched by `enable_routing_replay`), and once when a
+    replaying model gets a row without routes."""
     global _warned_unpatched_routes
-    if packed_row.routed_experts is None:
-        return None
     settings = routing_replay_settings(model)
+    if packed_row.routed_experts is None:
+        if settings is not None and settings.replay:
+            _warn_missing_routes()
+        return None
     if settings is None:
         if not _warned_unpatched_routes:
             _warned_unpatched_routes = True
