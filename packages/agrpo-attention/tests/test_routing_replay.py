@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -361,6 +362,10 @@ def test_a_row_without_routes_on_a_replaying_model_warns_once_and_routes_live(mo
     monkeypatch.setattr(token_logprobs_module, "_warned_missing_routes", False)
     model = replay_model(stock_model("olmoe"))
     row = grpo_row()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        token_scores(model, row)  # an evaluation forward (eval mode): nothing to warn about
+    model.train()
     with pytest.warns(RuntimeWarning, match="routing replay is on but a row carries no routed_experts"):
         scores = token_scores(model, row)
     assert scores.route_matches is None

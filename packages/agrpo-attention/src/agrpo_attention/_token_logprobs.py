@@ -245,11 +245,11 @@ def _warn_missing_routes() -> None:
 def _row_routes(model, packed_row: PackedRow, device) -> RowRoutes | None:
     """The row's checked routes on `device` when it carries some and the model was patched; warns once when
     a row carries routes the model cannot use (never patched by `enable_routing_replay`), and once when a
-    replaying model gets a row without routes."""
+    replaying model trains on a row without routes (evaluation forwards, such as a parity probe, do not warn)."""
     global _warned_unpatched_routes
     settings = routing_replay_settings(model)
     if packed_row.routed_experts is None:
-        if settings is not None and settings.replay:
+        if settings is not None and settings.replay and model.training and torch.is_grad_enabled():
             _warn_missing_routes()
         return None
     if settings is None:
