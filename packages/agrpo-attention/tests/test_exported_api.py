@@ -4,6 +4,7 @@ import agrpo_attention
 
 EXPECTED = [
     "BackendUnavailableError",
+    "RoutingReplaySettings",
     "TokenScores",
     "TreeAttentionError",
     "TreePlan",
@@ -12,6 +13,7 @@ EXPECTED = [
     "available_backends",
     "build_tree_plan",
     "deltanet_traceable",
+    "enable_routing_replay",
     "enable_tree_attention",
     "gathered_logprobs",
     "token_logprobs",

@@ -68,6 +68,7 @@ AGRPO_FIELDS = {
     "tool_timeout_s": 300.0,
     "checkpointing_mode": "auto",
     "device_peak_flops": None,
+    "routing_replay": False,
 }
 
 

@@ -8,6 +8,7 @@ with dynamo's `eager` backend (graphs counted, nothing lowered), which costs sec
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import torch
 from rollout_doubles import fixed_samples
 from torch._dynamo.utils import counters
 
-from agrpo_attention import enable_tree_attention, token_logprobs, token_scores
+from agrpo_attention import enable_routing_replay, enable_tree_attention, token_logprobs, token_scores
 from agrpo_attention.testing import TinyModelSpec, build_model, build_tokenizer
 from agrpo_packing import TreeRow
 from agrpo_packing.testing import GroupShape, random_grpo_groups
@@ -144,6 +145,47 @@ def test_moe_layers_compile_into_one_graph_unless_router_logits_are_recorded():
     assert _graphs() - before == 1 and sum(counters["graph_break"].values()) == breaks
     assert not any(r.compiled for r in LayerRegions(settings).install(model, router_logits=True).regions)
     assert torch.isfinite(token_scores(model, _row(2), router_aux_loss=True).aux_loss)
+
+
+def _with_routes(row, seed: int):
+    """`row` carrying random routes of the tiny MoE (4 experts, 2 per token); its last token has none."""
+    generator = torch.Generator().manual_seed(seed)
+    first = torch.randint(0, 4, (row.num_tokens, 2), generator=generator)
+    second = (first + torch.randint(1, 4, first.shape, generator=generator)) % 4
+    routes = torch.stack([first, second], -1)
+    routes[-1] = -1
+    return dataclasses.replace(row, routed_experts=routes.to(torch.int16))
+
+
+def test_compiled_checkpointed_moe_layers_replay_the_sampler_routes_in_one_graph():
+    """Routing replay through the trainer's regions: compiled (aot_eager), fully checkpointed MoE layers give
+    the eager regions' replayed log-probs and gradients (so the recompute used the replayed experts too), one
+    graph serves rows of three sizes with no graph break, and replay changes the result."""
+    eager = build_model(TinyModelSpec(kind="moe", num_layers=2, seed=5), build_tokenizer()).train()
+    enable_tree_attention(eager, "reference")
+    enable_routing_replay(eager)  # as the trainer does at construction, before the regions
+    compiled = copy.deepcopy(eager)
+    settings = RegionSettings(compile=True, compile_backend="aot_eager", checkpointing="full")
+    assert all(r.compiled for r in LayerRegions(settings).install(compiled).regions)
+    LayerRegions(RegionSettings(compile=False, checkpointing="full")).install(eager)
+    before, breaks = _graphs(), sum(counters["graph_break"].values())
+    for seed in (2, 3, 4):
+        row = _with_routes(_row(seed, share=seed != 3), seed)
+        lp_c, grads_c = _scores_and_grads(compiled, row, amp=False)
+        lp_e, grads_e = _scores_and_grads(eager, row, amp=False)
+        torch.testing.assert_close(lp_c, lp_e, rtol=1e-5, atol=1e-5)
+        assert max(_relative(grads_c[n], grads_e[n]) for n in grads_e) < 1e-4
+        assert (
+            float(
+                (lp_e - _scores_and_grads(eager, dataclasses.replace(row, routed_experts=None), amp=False)[0])
+                .abs()
+                .max()
+            )
+            > 1e-3
+        )
+    counts = [token_scores(model, row).route_matches for model in (compiled, eager)]  # the compiled count
+    assert torch.equal(*counts) and counts[0][1] == 2 * (row.num_tokens - 1)
+    assert _graphs() - before == 1 and sum(counters["graph_break"].values()) == breaks
 
 
 def test_no_grad_forwards_run_the_layer_as_it_was():

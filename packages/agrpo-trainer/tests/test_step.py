@@ -5,16 +5,18 @@ tolerance below is far from what a normalisation error would give (a factor of 2
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from rollout_doubles import fixed_samples
 
-from agrpo_attention import enable_tree_attention
+from agrpo_attention import enable_tree_attention, token_scores
 from agrpo_attention.testing import TinyModelSpec, build_model, build_tokenizer
 from agrpo_packing import PackSample, TreeRow
-from agrpo_trainer import ModelSetupError
+from agrpo_trainer import AsyncGRPOConfig, ModelSetupError
 from agrpo_trainer._loss import LossSettings
-from agrpo_trainer._model import router_aux_loss_coef
+from agrpo_trainer._model import enable_routes, prepare_policy, router_aux_loss_coef
 from agrpo_trainer._step import StepSettings, micro_batch_loss
 
 CLOSE = {"rtol": 1e-5, "atol": 1e-7}
@@ -122,3 +124,58 @@ def test_moe_router_loss_is_added_with_its_weight():
 
     aux = token_scores(moe, packed, router_aux_loss=True).aux_loss
     torch.testing.assert_close(total - plain, 0.5 * aux / 2)
+
+
+def _own_routes(model, row) -> torch.Tensor:
+    """(N, layers, 2) int16: the experts the model routes each packed token to, live."""
+    chosen = []
+    hooks = [
+        layer.mlp.gate.register_forward_hook(lambda _m, _a, out: chosen.append(out[2]))
+        for layer in model.model.layers
+    ]
+    with torch.no_grad():
+        token_scores(model, row)
+    for hook in hooks:
+        hook.remove()
+    return torch.stack(chosen, 1).to(torch.int16)
+
+
+def test_route_agreement_is_a_step_metric_and_replay_changes_the_loss_only_when_on():
+    moe = build_model(TinyModelSpec(kind="moe"), build_tokenizer())
+    samples = [PackSample(**s.pack_fields()) for s in fixed_samples(moe, num_prompts=1)]
+    enable_tree_attention(moe, "reference")
+    enable_routes(moe, False)
+    row = TreeRow(0)
+    row.extend(samples)
+    packed = row.pack()
+    routes = _own_routes(moe, packed)
+    others = [[e for e in range(4) if e not in pair] for pair in routes[:10, 0].tolist()]
+    routes[:10, 0] = torch.tensor(
+        others, dtype=torch.int16
+    )  # the other two experts, for 10 tokens of layer 0
+    routes[-1] = -1  # the last token has no route
+    routed = dataclasses.replace(packed, routed_experts=routes)
+    kwargs = {"step_trained_tokens": packed.num_loss_terms, "world_size": 1, "micro_batches_per_step": 2}
+    plain, plain_stats = micro_batch_loss(moe, packed, SETTINGS, **kwargs)
+    measured, stats = micro_batch_loss(moe, routed, SETTINGS, **kwargs)
+    assert "moe/route_agreement" not in plain_stats.metrics()
+    routed_pairs = 2 * (packed.num_tokens - 1)
+    assert stats.metrics()["moe/route_agreement"] == (routed_pairs - 10) / routed_pairs
+    assert torch.equal(measured, plain)  # replay off: the forward is unchanged
+    merged = stats.merge(plain_stats).merge(stats).metrics()
+    assert merged["moe/route_agreement"] == (routed_pairs - 10) / routed_pairs
+    enable_routes(moe, True)
+    replayed, replay_stats = micro_batch_loss(moe, routed, SETTINGS, **kwargs)
+    assert replay_stats.metrics()["moe/route_agreement"] == stats.metrics()["moe/route_agreement"]
+    assert not torch.equal(replayed, plain)
+
+
+def test_routing_replay_is_refused_at_construction_on_a_dense_model(tmp_path):
+    dense = build_model(TinyModelSpec(), build_tokenizer())
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), routing_replay=True, use_cpu=True)
+    with pytest.raises(
+        ModelSetupError, match="routing_replay=True: .*no mixture-of-experts layer.*routing_replay=False"
+    ):
+        prepare_policy(dense, args, None, build_tokenizer())
+    enable_routes(dense, False)  # without replay a dense model is left as it is
+    assert not hasattr(dense, "_agrpo_routing_replay")

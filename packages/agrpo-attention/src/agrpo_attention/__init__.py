@@ -14,6 +14,7 @@ from ._exceptions import (
     UnsupportedModelError,
 )
 from ._model_patch import deltanet_traceable, enable_tree_attention
+from ._routing_replay import RoutingReplaySettings, enable_routing_replay
 from ._token_logprobs import TokenScores, gathered_logprobs, token_logprobs, token_scores
 from ._tree_plan import TreePlan, build_tree_plan
 
@@ -24,6 +25,7 @@ except _PackageNotFoundError:  # run from a source tree on PYTHONPATH (e.g. the 
 
 __all__ = [
     "BackendUnavailableError",
+    "RoutingReplaySettings",
     "TokenScores",
     "TreeAttentionError",
     "TreePlan",
@@ -32,6 +34,7 @@ __all__ = [
     "available_backends",
     "build_tree_plan",
     "deltanet_traceable",
+    "enable_routing_replay",
     "enable_tree_attention",
     "gathered_logprobs",
     "token_logprobs",

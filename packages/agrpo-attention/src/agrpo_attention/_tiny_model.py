@@ -8,6 +8,8 @@ router loss); `save_tiny_model` writes one with its tokenizer so vLLM and transf
 not know vLLM, training or packing. vLLM's CPU attention needs head_dim in {32, 64, 80, 96, 112, 128, ...}; the
 defaults use 32. vLLM's CPU Gated DeltaNet runs bf16 with 128-wide heads only, so `qwen3_next` (the hybrid the
 CPU server serves) has Gated DeltaNet heads of 128 whatever `head_dim` says.
+For routing replay, whose gate formulas differ by family: OLMoE, Mixtral and `qwen3_next_moe` (Qwen3-Next's MoE
+block with its gated shared expert on full-attention layers only, layer 0 dense through `mlp_only_layers`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ class TinyModelSpec:
     kind: str = "qwen3"
     """`qwen3` (dense), `hybrid` (Gated DeltaNet + attention, transformers' `qwen3_5` text model),
     `qwen3_next` (the same interleave in Qwen3-Next's layout: fused projections, gated attention, 4 experts, 2
-    per token, and a shared expert) or `moe` (Qwen3-MoE: 4 experts, 2 per token, for the router loss)."""
+    per token, and a shared expert) or `moe` (Qwen3-MoE: 4 experts, 2 per token, for the router loss). For routing replay: `olmoe` (OLMoE,
+    top-k weights not renormalised), `mixtral` (Mixtral) and `qwen3_next_moe` (Qwen3-Next's MoE block and gated
+    shared expert on full-attention layers, layer 0 dense); 4 experts, 2 per token."""
     vocab_size: int = 512
     """Equals the tokenizer's size, 300..4096."""
     hidden_size: int = 64
@@ -144,6 +148,60 @@ def _moe_config(spec: TinyModelSpec, special_ids: dict[str, int]):
     )
 
 
+def _moe_shape(spec: TinyModelSpec, special_ids: dict[str, int]) -> dict:
+    """Fields every tiny MoE config shares (names as transformers' configs spell them)."""
+    return dict(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        num_experts_per_tok=2,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        **special_ids,
+    )
+
+
+def _olmoe_config(spec: TinyModelSpec, special_ids: dict[str, int]):
+    from transformers import OlmoeConfig
+
+    return OlmoeConfig(num_experts=4, **_moe_shape(spec, special_ids))
+
+
+def _mixtral_config(spec: TinyModelSpec, special_ids: dict[str, int]):
+    from transformers import MixtralConfig
+
+    return MixtralConfig(num_local_experts=4, head_dim=spec.head_dim, **_moe_shape(spec, special_ids))
+
+
+def _qwen3_next_moe_config(spec: TinyModelSpec, special_ids: dict[str, int]):
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        num_experts=4,
+        head_dim=spec.head_dim,
+        moe_intermediate_size=spec.intermediate_size // 2,
+        shared_expert_intermediate_size=spec.intermediate_size // 2,
+        layer_types=["full_attention"] * spec.num_layers,
+        mlp_only_layers=[0],
+        **_moe_shape(spec, special_ids),
+    )
+
+
+_BUILDERS = {
+    "qwen3": _qwen3_config,
+    "hybrid": _hybrid_config,
+    "moe": _moe_config,
+    "olmoe": _olmoe_config,
+    "mixtral": _mixtral_config,
+    "qwen3_next": _qwen3_next_config,
+    "qwen3_next_moe": _qwen3_next_moe_config,
+}
+"""Model kinds and their config builders."""
+
+
 def build_model(spec: TinyModelSpec, tokenizer):
     """A randomly initialised causal LM of `spec`'s shape, in float32, seeded."""
     import torch
@@ -154,15 +212,9 @@ def build_model(spec: TinyModelSpec, tokenizer):
         "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
         "pad_token_id": tokenizer.pad_token_id,
     }
-    builders = {
-        "qwen3": _qwen3_config,
-        "hybrid": _hybrid_config,
-        "qwen3_next": _qwen3_next_config,
-        "moe": _moe_config,
-    }
-    if spec.kind not in builders:
-        raise ValueError(f"kind={spec.kind!r}; expected one of {sorted(builders)}")
-    config = builders[spec.kind](spec, special_ids)
+    if spec.kind not in _BUILDERS:
+        raise ValueError(f"kind={spec.kind!r}; expected one of {sorted(_BUILDERS)}")
+    config = _BUILDERS[spec.kind](spec, special_ids)
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.eos_token_id = [special_ids["eos_token_id"], tokenizer.pad_token_id]

@@ -20,6 +20,7 @@ S = largest sampling set.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ import torch
 from agrpo_packing import PackedRow
 
 from ._model_patch import _text_config, tree_settings
+from ._routing_replay import RowRoutes, routing_replay_settings, row_routes
 from ._tree_plan import TreePlan, build_tree_plan
 
 _CHUNK_BYTES = 1 << 28
@@ -169,6 +171,10 @@ class TokenScores:
     aux_loss: torch.Tensor | None
     """Scalar router load-balancing loss as the model returns it (not multiplied by
     `router_aux_loss_coef`), over the row's N unique tokens; None unless asked."""
+    route_matches: torch.Tensor | None = None
+    """(2,) int64 when the row carries `routed_experts` and `enable_routing_replay` patched the model (replay
+    on or off): [(token, MoE layer) pairs whose live top-k set equals the route, pairs with a route]; the
+    route agreement is their ratio. None otherwise. Not differentiable; read it without a per-layer sync."""
 
 
 def _fusable_head(model: torch.nn.Module) -> torch.nn.Linear | None:
@@ -220,6 +226,45 @@ def _check_requests(model, packed_row: PackedRow, plan: TreePlan | None, top_ids
     return settings
 
 
+_warned_unpatched_routes = False
+_warned_missing_routes = False
+
+
+def _warn_missing_routes() -> None:
+    global _warned_missing_routes
+    if not _warned_missing_routes:
+        _warned_missing_routes = True
+        warnings.warn(
+            "routing replay is on but a row carries no routed_experts, so its tokens route live: ask the "
+            "server for the routed experts of each sample (the rollout's routed-experts option)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+
+def _row_routes(model, packed_row: PackedRow, device) -> RowRoutes | None:
+    """The row's checked routes on `device` when it carries some and the model was patched; warns once when
+    a row carries routes the model cannot use (never patched by `enable_routing_replay`), and once when a
+    replaying model trains on a row without routes (evaluation forwards, such as a parity probe, do not warn)."""
+    global _warned_unpatched_routes
+    settings = routing_replay_settings(model)
+    if packed_row.routed_experts is None:
+        if settings is not None and settings.replay and model.training and torch.is_grad_enabled():
+            _warn_missing_routes()
+        return None
+    if settings is None:
+        if not _warned_unpatched_routes:
+            _warned_unpatched_routes = True
+            warnings.warn(
+                "the row carries routed_experts but the model routes live without measuring them: call "
+                "enable_routing_replay(model) (replay=False to only measure route agreement)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return None
+    return row_routes(settings, packed_row.routed_experts, packed_row.num_tokens, device)
+
+
 def _empty_scores(model, packed_row: PackedRow, top_ids: bool, with_sets: bool, router: bool) -> TokenScores:
     """Zero-sized outputs of a row without loss terms, still attached to the graph (zero gradients)."""
     anchor = next(model.parameters())
@@ -235,9 +280,11 @@ def _empty_scores(model, packed_row: PackedRow, top_ids: bool, with_sets: bool, 
     )
 
 
-def _forward(model, head, packed_row: PackedRow, plan: TreePlan, device, router_aux_loss: bool):
+def _forward(model, head, packed_row: PackedRow, plan: TreePlan, device, router_aux_loss: bool,
+             routes: RowRoutes | None):  # fmt: skip
     """(model output, (M, H) LM-head input or None). With a fusable `head`, a pre-hook keeps the head's
-    input and hands it an empty slice, so the model builds no logits."""
+    input and hands it an empty slice, so the model builds no logits. `routes` reach the MoE layers as the
+    forward kwarg `moe_routes` (`_routing_replay`)."""
     kept: list[torch.Tensor] = []
     hook = None
     if head is not None:
@@ -250,6 +297,7 @@ def _forward(model, head, packed_row: PackedRow, plan: TreePlan, device, router_
             logits_to_keep=packed_row.token_index.to(device),
             tree_plan=plan,
             **({"output_router_logits": True} if router_aux_loss else {}),
+            **({"moe_routes": routes} if routes is not None else {}),
         )
     finally:
         if hook is not None:
@@ -284,7 +332,8 @@ def token_scores(
     device = settings.device
     plan = build_tree_plan(packed_row, inner) if plan is None else plan
     head = _fusable_head(inner)
-    output, hidden = _forward(model, head, packed_row, plan, device, router_aux_loss)
+    routes = _row_routes(inner, packed_row, device)
+    output, hidden = _forward(model, head, packed_row, plan, device, router_aux_loss, routes)
     ids_MC = packed_row.targets.to(device)[:, None]
     if top_ids:
         ids_MC = torch.cat([ids_MC, packed_row.sampler_top_ids.to(device)], 1)
@@ -313,6 +362,7 @@ def token_scores(
         top_logprobs=gathered_MC[:, 1:] if top_ids else None,
         candidate_logsumexp=set_lse_M if with_sets else None,
         aux_loss=aux_loss,
+        route_matches=routes.agreement_counts() if routes is not None else None,
     )
 
 

@@ -2,9 +2,9 @@
 
 Owns nothing itself: it is the public face of `_tiny_tokenizer.py` (byte-level BPE, a tool-calling
 ChatML template and a history-rewriting variant, a `response_template`) and `_tiny_model.py` (Qwen3
-dense, Qwen3.5 and Qwen3-Next Gated DeltaNet hybrids, Qwen3-MoE). These are exactly the model families tree attention
-runs, built from the torch + transformers this package already needs, which is why they live here:
-agrpo-packing has no transformers and agrpo-rollout no torch. Tests, README examples, the demo and
+dense, Qwen3.5 and Qwen3-Next Gated DeltaNet hybrids, Qwen3-MoE; OLMoE and Mixtral for routing replay). These are
+exactly the model families tree attention runs, built from the torch + transformers this package already needs,
+which is why they live here: agrpo-packing has no transformers and agrpo-rollout no torch. Tests, README examples, the demo and
 benchmarks of every agrpo package use them; nothing touches the network.
 
 By hand: `python -m agrpo_attention.testing OUT_DIR [--kind hybrid]` writes the model files vLLM reads (the
@@ -43,7 +43,9 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m agrpo_attention.testing", description="Build a tiny random model + tokenizer offline."
     )
     parser.add_argument("out_dir")
-    parser.add_argument("--kind", default="qwen3", choices=["qwen3", "hybrid", "qwen3_next", "moe"])
+    parser.add_argument(
+        "--kind", default="qwen3", choices=["qwen3", "hybrid", "qwen3_next", "moe", "olmoe", "mixtral", "qwen3_next_moe"]
+    )
     parser.add_argument("--template", default="tools", choices=sorted(TEMPLATES))
     parser.add_argument("--vocab-size", type=int, default=512)
     parser.add_argument("--hidden-size", type=int, default=64)

@@ -109,6 +109,14 @@ class AsyncGRPOConfig(TrainingArguments):
             "MoE load-balancing loss weight; None: the model config's; 0 disables; error on non-MoE models."
         ),
     )
+    routing_replay: bool = field(
+        default=False,
+        metadata=_help(
+            "MoE routing replay: each token trains on the experts the sampler routed it to (rows carrying the "
+            "server's routed experts; gate weights from the live router, which keeps its gradient; tokens "
+            "without a route route live); error on dense models. moe/route_agreement is logged either way."
+        ),
+    )
 
     # ---- generation ----
     num_generations: int = field(default=8, metadata=_help("Rollouts per prompt (the GRPO group), >= 2."))

@@ -42,6 +42,8 @@ _SUMS = (
     "num_clipped_high",
     "num_top_terms",
     "sampler_mass_sum",
+    "num_route_matches",
+    "num_routes",
 )
 _MAXIMA = ("ratio_max", "logp_difference_max", "negated_ratio_min")
 
@@ -118,6 +120,14 @@ class LossStats:
             maxima=torch.maximum(self.maxima.to(device), other.maxima.to(device)),
         )
 
+    def with_routes(self, route_matches: torch.Tensor) -> LossStats:
+        """These statistics plus a row's MoE route counts (`TokenScores.route_matches`: tokens x MoE layers
+        whose live top-k equals the sampler's route, and those with a route)."""
+        routes = torch.zeros_like(self.sums)
+        first = _SUMS.index("num_route_matches")
+        routes[first : first + 2] = route_matches.to(routes)
+        return LossStats(sums=self.sums + routes, maxima=self.maxima)
+
     def to_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(sums, maxima): all-reduce the first with SUM and the second with MAX, then `from_tensors`."""
         return self.sums, self.maxima
@@ -146,6 +156,8 @@ class LossStats:
         }
         if s["num_top_terms"] > 0:
             out["sampling/sampler_mass"] = s["sampler_mass_sum"] / s["num_top_terms"]
+        if s["num_routes"] > 0:
+            out["moe/route_agreement"] = s["num_route_matches"] / s["num_routes"]
         return out
 
 
@@ -221,6 +233,8 @@ def _statistics(
         high_M.sum(),
         ratio_M.new_tensor(float(ratio_M.numel() if has_top else 0)),
         mass,
+        ratio_M.new_zeros(()),  # MoE route counts: `with_routes`
+        ratio_M.new_zeros(()),
     ]
     empty = ratio_M.new_tensor(-torch.inf)
     maxima = [

@@ -5,7 +5,9 @@ Owns what `AsyncGRPOTrainer(model=...)` accepts (SPEC F-API): a hub id or local 
 frozen: text-only training, no optimizer state, skipped by weight sync) and `AutoModelForCausalLM`
 otherwise, in `args.dtype` unless `model_init_kwargs["dtype"]` says otherwise; or a `PreTrainedModel`,
 used as given. Also the MoE router-loss rule (SPEC F-LOSS): `router_aux_loss_coef=None` takes the model
-config's value, and setting it on a model without a router is an error. Does not know training or sync.
+config's value, and setting it on a model without a router is an error; and routing replay (issue 33):
+`enable_routes` patches a MoE policy (agrpo-attention's `enable_routing_replay`), refusing `routing_replay`
+on a dense model. Does not know training or sync.
 """
 
 from __future__ import annotations
@@ -131,7 +133,29 @@ def prepare_policy(model: Any, args: Any, peft_config: Any, processing_class: An
     on_cpu = (
         next(policy.parameters()).device.type == "cpu"
     )  # not placed yet: check the model on the reference
-    return policy, tokenizer, enable_tree(policy, "reference" if on_cpu else args.attention_backend)
+    backend = enable_tree(policy, "reference" if on_cpu else args.attention_backend)
+    enable_routes(policy, args.routing_replay)
+    return policy, tokenizer, backend
+
+
+def enable_routes(policy: Any, replay: bool) -> None:
+    """Patch a MoE policy's layers so rows that carry routes measure route agreement and, with `replay`
+    (`routing_replay`), train on the sampler's experts. `replay` on a dense model, or on a MoE block replay
+    does not support, is a ModelSetupError; without `replay` such a model just goes unmeasured."""
+    from agrpo_attention import UnsupportedModelError, enable_routing_replay
+
+    base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+    if not replay and not has_router(base):
+        return
+    try:
+        settings = enable_routing_replay(base, replay=replay)
+    except UnsupportedModelError as error:
+        if replay:
+            raise ModelSetupError(f"routing_replay=True: {error}") from error
+        logger.info("MoE route agreement is not measured: %s", error)
+        return
+    logger.info("MoE routing replay %s on %d layers", "on" if replay else "off (agreement only)",
+                len(settings.moe_layers))  # fmt: skip
 
 
 def has_router(model: torch.nn.Module) -> bool:

@@ -2,12 +2,13 @@
 
 Owns the call into agrpo-attention (`token_scores`: the policy's log-probs of each trained token, of the
 sampler's top-K ids when score centering needs them, the candidate-set normaliser when the row carries
-sampling masks, the MoE router loss when asked) and the scaling of `grpo_loss`'s sum. Normalisation
-(SPEC F-LOSS): every trained token of the optimizer step weighs the same, whichever micro-batch or rank
-it landed in. The trainer counts the step's trained tokens over all micro-batches and ranks (`N`)
-before the first backward; each row's loss is `sum / N * world_size`, because data-parallel gradient
-reduction averages over ranks. The router loss is a per-forward mean, so it is divided by the number of
-micro-batches in the step.
+sampling masks, the MoE router loss when asked, the MoE route counts when the row carries the sampler's
+routes, replayed or only measured as `routing_replay` patched the model at construction, added to the
+statistics) and the scaling of `grpo_loss`'s sum. Normalisation (SPEC F-LOSS): every trained token of the
+optimizer step weighs the same, whichever micro-batch or rank it landed in. The trainer counts the step's
+trained tokens over all micro-batches and ranks (`N`) before the first backward; each row's loss is
+`sum / N * world_size`, because data-parallel gradient reduction averages over ranks. The router loss is a
+per-forward mean, so it is divided by the number of micro-batches in the step.
 
 Does not know where rows come from, optimizers or logging.
 """
@@ -115,4 +116,6 @@ def micro_batch_loss(
     if settings.router_aux_loss_coef > 0 and scores.aux_loss is not None:
         loss = loss + weight * settings.router_aux_loss_coef * scores.aux_loss / micro_batches_per_step
     stats = out.stats if weight else LossStats.empty()
+    if weight and scores.route_matches is not None:  # rows that carry the sampler's MoE routes
+        stats = stats.with_routes(scores.route_matches)
     return loss, stats
