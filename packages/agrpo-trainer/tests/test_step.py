@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from rollout_doubles import fixed_samples
+from rollout_doubles import fixed_samples, rank_reward
 
 from agrpo_attention import enable_tree_attention, token_scores
 from agrpo_attention.testing import TinyModelSpec, build_model, build_tokenizer
@@ -179,3 +179,32 @@ def test_routing_replay_is_refused_at_construction_on_a_dense_model(tmp_path):
         prepare_policy(dense, args, None, build_tokenizer())
     enable_routes(dense, False)  # without replay a dense model is left as it is
     assert not hasattr(dense, "_agrpo_routing_replay")
+
+
+@pytest.mark.server
+def test_routing_replay_against_a_server_without_routes_is_refused_at_start_naming_the_flag(
+    tmp_path, vllm_server
+):
+    """The real CPU server cannot return routes (no Model Runner V2): `train()` stops before any push or step,
+    with the flag to add; the rollout config carries the policy's config, which routes are checked against."""
+    from agrpo_rollout import ServerConfigError
+    from agrpo_trainer import AsyncGRPOTrainer
+
+    tokenizer = build_tokenizer()
+    moe = build_model(TinyModelSpec(kind="moe", seed=2), tokenizer)
+    args = AsyncGRPOConfig(
+        output_dir=str(tmp_path), routing_replay=True, use_cpu=True, bf16=False, vllm_server_base_url=vllm_server.url,
+        weight_sync_backend="disk", max_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+    )  # fmt: skip
+    assert args.return_routed_experts is True  # None follows routing_replay
+    trainer = AsyncGRPOTrainer(moe, rank_reward, args=args,
+                               train_dataset=[{"prompt": "x"}] * 4, processing_class=tokenizer)  # fmt: skip
+    rollout = args.rollout_config(num_processes=1, model_config=trainer._routes_model_config())
+    assert rollout.return_routed_experts and rollout.model_config["num_experts_per_tok"] == 2
+    with pytest.raises(ServerConfigError, match="--enable-return-routed-experts"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    with pytest.raises(ValueError, match="leave return_routed_experts unset"):
+        AsyncGRPOConfig(
+            output_dir=str(tmp_path), routing_replay=True, return_routed_experts=False, use_cpu=True
+        )

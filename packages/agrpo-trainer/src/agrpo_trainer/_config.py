@@ -117,6 +117,13 @@ class AsyncGRPOConfig(TrainingArguments):
             "without a route route live); error on dense models. moe/route_agreement is logged either way."
         ),
     )
+    return_routed_experts: bool | None = field(
+        default=None,
+        metadata=_help(
+            "Ask the server for each token's routed experts (vLLM started with --enable-return-routed-experts, "
+            "checked at start); None: routing_replay. True with routing_replay=False logs moe/route_agreement only."
+        ),
+    )
 
     # ---- generation ----
     num_generations: int = field(default=8, metadata=_help("Rollouts per prompt (the GRPO group), >= 2."))
@@ -251,6 +258,13 @@ class AsyncGRPOConfig(TrainingArguments):
     )
 
     def __post_init__(self) -> None:
+        if self.return_routed_experts is None:
+            self.return_routed_experts = self.routing_replay
+        if self.routing_replay and not self.return_routed_experts:
+            raise ValueError(
+                "routing_replay=True replays the routes the server returns: leave return_routed_experts unset "
+                "(or True)"
+            )
         if self.bf16 is None:
             self.bf16 = default_bf16(fp16=self.fp16)
         if self.torch_compile is None:
@@ -359,7 +373,11 @@ class AsyncGRPOConfig(TrainingArguments):
         accumulation = self.gradient_accumulation_steps
         return max(self.max_staleness, 1) * self.per_device_train_batch_size * accumulation * num_processes
 
-    def rollout_config(self, *, num_processes: int, model_name: str | None = None) -> RolloutConfig:
+    def rollout_config(
+        self, *, num_processes: int, model_name: str | None = None, model_config: dict | None = None
+    ) -> RolloutConfig:
+        """The rollout loop's settings; routes are asked for once the trainer hands the policy's `model_config`
+        (the route shapes are checked against it)."""
         template_kwargs = self.chat_template_kwargs if isinstance(self.chat_template_kwargs, dict) else None
         return RolloutConfig(
             vllm_server_base_url=self.vllm_server_base_url,
@@ -379,6 +397,8 @@ class AsyncGRPOConfig(TrainingArguments):
             tool_timeout_s=self.tool_timeout_s,
             # Heartbeats ride on metric pushes: several per worker timeout.
             metrics_interval_s=max(min(5.0, self.rollout_worker_timeout / 4), 0.05),
+            return_routed_experts=bool(self.return_routed_experts and model_config is not None),
+            model_config=model_config if self.return_routed_experts else None,
         )
 
     @property
