@@ -20,18 +20,11 @@ import json
 
 from torch._dynamo.utils import counters
 
-import agrpo_attention._tree_deltanet as tree_deltanet
 from agrpo_attention import enable_tree_attention, token_logprobs
-from agrpo_attention.testing import TinyModelSpec, build_model, build_tokenizer
+from agrpo_attention.testing import TinyModelSpec, build_model, build_tokenizer, let_triton_run_on_cpu
 from agrpo_packing import TreeRow
 from agrpo_packing.testing import GroupShape, random_grpo_groups
 from agrpo_trainer._layer_region import LayerRegions, RegionSettings
-
-
-def let_triton_run_on_cpu() -> None:
-    """What the CUDA checks decide on a GPU, decided for the interpreter: both Triton kernels run."""
-    tree_deltanet._UNAVAILABLE_REASON["triton"] = lambda device: None
-    tree_deltanet._conv_runs_triton = lambda mixed, kernel: kernel == "triton"
 
 
 def row(seed: int, rollouts: int):

@@ -69,6 +69,7 @@ AGRPO_FIELDS = {
     "checkpointing_mode": "auto",
     "device_peak_flops": None,
     "routing_replay": False,
+    "return_routed_experts": None,
 }
 
 

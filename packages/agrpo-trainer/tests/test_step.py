@@ -199,7 +199,7 @@ def test_routing_replay_against_a_server_without_routes_is_refused_at_start_nami
     assert args.return_routed_experts is True  # None follows routing_replay
     trainer = AsyncGRPOTrainer(moe, rank_reward, args=args,
                                train_dataset=[{"prompt": "x"}] * 4, processing_class=tokenizer)  # fmt: skip
-    rollout = args.rollout_config(num_processes=1, model_config=trainer._routes_model_config())
+    rollout = args.rollout_config(num_processes=1, policy=trainer.model)
     assert rollout.return_routed_experts and rollout.model_config["num_experts_per_tok"] == 2
     with pytest.raises(ServerConfigError, match="--enable-return-routed-experts"):
         trainer.train()

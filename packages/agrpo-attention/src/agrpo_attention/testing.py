@@ -34,8 +34,18 @@ __all__ = [
     "TinyModelSpec",
     "build_model",
     "build_tokenizer",
+    "let_triton_run_on_cpu",
     "save_tiny_model",
 ]
+
+
+def let_triton_run_on_cpu() -> None:
+    """Let agrpo's Triton delta rule and path convolution run off CUDA, for Triton's interpreter
+    (`TRITON_INTERPRET=1`, set before triton is imported): the CPU seam of the GPU path, for tests only."""
+    from . import _tree_deltanet
+
+    _tree_deltanet._UNAVAILABLE_REASON["triton"] = lambda device: None
+    _tree_deltanet._conv_runs_triton = lambda mixed, kernel: kernel == "triton"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -44,7 +54,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("out_dir")
     parser.add_argument(
-        "--kind", default="qwen3", choices=["qwen3", "hybrid", "qwen3_next", "moe", "olmoe", "mixtral", "qwen3_next_moe"]
+        "--kind",
+        default="qwen3",
+        choices=["qwen3", "hybrid", "qwen3_next", "moe", "olmoe", "mixtral", "qwen3_next_moe"],
     )
     parser.add_argument("--template", default="tools", choices=sorted(TEMPLATES))
     parser.add_argument("--vocab-size", type=int, default=512)

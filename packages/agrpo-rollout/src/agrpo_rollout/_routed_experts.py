@@ -124,7 +124,7 @@ class ExpertRouting:
                 "server, vLLM >= 0.32), or set return_routed_experts=False"
             )
         try:
-            routes = np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
+            routes = np.load(io.BytesIO(base64.b64decode(encoded)))  # numpy's default refuses pickled objects
         except (binascii.Error, ValueError, EOFError) as exc:  # not base64, not an .npy payload
             raise ResponseFormatError(
                 f"{request}: routed_experts is not base64 of an .npy array ({exc}); is the server vLLM >= 0.32?"

@@ -374,10 +374,13 @@ class AsyncGRPOConfig(TrainingArguments):
         return max(self.max_staleness, 1) * self.per_device_train_batch_size * accumulation * num_processes
 
     def rollout_config(
-        self, *, num_processes: int, model_name: str | None = None, model_config: dict | None = None
+        self, *, num_processes: int, model_name: str | None = None, policy=None
     ) -> RolloutConfig:
-        """The rollout loop's settings; routes are asked for once the trainer hands the policy's `model_config`
-        (the route shapes are checked against it)."""
+        """The rollout loop's settings; with `return_routed_experts`, routes are asked for once the trainer hands
+        its `policy`, whose config the route shapes are checked against."""
+        model_config = (
+            routes_model_config(policy) if policy is not None and self.return_routed_experts else None
+        )
         template_kwargs = self.chat_template_kwargs if isinstance(self.chat_template_kwargs, dict) else None
         return RolloutConfig(
             vllm_server_base_url=self.vllm_server_base_url,
@@ -459,3 +462,11 @@ def check_inputs(args: Any, train_dataset: Any, environment_factory: Any) -> Non
             "num_train_epochs needs the dataset's size, and this dataset has none (an IterableDataset, or prompts "
             "from environment_factory); set max_steps"
         )
+
+
+def routes_model_config(policy) -> dict:
+    """The policy's (text) config as a dict, which the server's routed experts must fit (a LoRA wrapper looked
+    through)."""
+    inner = policy.module if isinstance(getattr(policy, "module", None), torch.nn.Module) else policy  # DDP
+    base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    return base.config.get_text_config().to_dict()

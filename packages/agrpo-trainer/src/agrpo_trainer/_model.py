@@ -176,3 +176,12 @@ def router_aux_loss_coef(model: torch.nn.Module, requested: float | None) -> flo
         return float(requested)
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+
+
+def check_server_routes(args: Any, policy: Any, rank: int, world: int) -> None:
+    """On rank 0, with `return_routed_experts`, probe every server for routes that fit the policy (`ServerConfigError`
+    naming `--enable-return-routed-experts` when it returns none); nothing otherwise."""
+    if rank == 0 and args.return_routed_experts:
+        from agrpo_rollout import check_routed_experts
+
+        check_routed_experts(args.rollout_config(num_processes=world, policy=policy))

@@ -32,7 +32,7 @@ import torch
 from transformers import PreTrainedModel, Trainer
 from transformers.trainer_callback import ProgressCallback
 
-from agrpo_rollout import AsyncRolloutLoop, check_routed_experts
+from agrpo_rollout import AsyncRolloutLoop
 
 from ._checkpoint import (
     noted_save_failure,
@@ -50,7 +50,7 @@ from ._layer_region import LayerRegions
 from ._loss import LossStats
 from ._metrics import MetricWindow
 from ._micro_batch_stream import PackedMicroBatch, empty_micro_batch
-from ._model import enable_tree, prepare_policy, router_aux_loss_coef
+from ._model import check_server_routes, enable_tree, prepare_policy, router_aux_loss_coef
 from ._parity_probe import probe_token_ids
 from ._pipeline import AsyncPipeline, ResumePoint
 from ._policy_sync import PolicySync, served_max_model_len
@@ -157,12 +157,8 @@ class AsyncGRPOTrainer(Trainer):
         remaining = None if args.max_steps > 0 or self.prompt_dataset is None else (
             max(math.ceil(args.num_train_epochs) - self._resume.base_epoch, 1)
         )  # fmt: skip
-        settings = LoopSettings(
-            args.rollout_config(
-                num_processes=num_processes, model_name=model_name, model_config=self._routes_model_config()
-            ),
-            args,
-        )
+        rollout = args.rollout_config(num_processes=num_processes, model_name=model_name, policy=self.model)
+        settings = LoopSettings(rollout, args)
         return RolloutHandoff(
             loop_cls=self.loop_cls,
             settings=settings,
@@ -176,14 +172,6 @@ class AsyncGRPOTrainer(Trainer):
             skip_prompts=self._resume.loop_skip(),
             sync_journal=str(self._policy_sync.weight_sync.journal.path) if self._policy_sync else None,
         )
-
-    def _routes_model_config(self) -> dict | None:
-        """The policy's config, which the server's routed experts must fit, when routes are asked for."""
-        if not self.args.return_routed_experts:
-            return None
-        policy = self.accelerator.unwrap_model(self.model)
-        base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
-        return base.config.get_text_config().to_dict()
 
     def _make_sample_source(self, num_processes: int) -> Any:
         """The spawned rollout process (rank 0). Tests replace it with a replay of fixed samples."""
@@ -216,17 +204,10 @@ class AsyncGRPOTrainer(Trainer):
     def _start_pipeline(self) -> None:
         rank, world = rank_world()
         policy = self.accelerator.unwrap_model(self.model)
-        self.attention_backend = enable_tree(
-            policy, self.args.attention_backend
-        )  # on its training device now
+        self.attention_backend = enable_tree(policy, self.args.attention_backend)  # on its device now
         self._layer_regions.install(policy, router_logits=self.step_settings.router_aux_loss_coef > 0)
         self._clock.flop_model, self._clock.peak_flops = flop_counting(policy, self.args)
-        if (
-            rank == 0 and self.args.return_routed_experts
-        ):  # before any push: a server without routes is refused
-            check_routed_experts(
-                self.args.rollout_config(num_processes=world, model_config=self._routes_model_config())
-            )
+        check_server_routes(self.args, policy, rank, world)  # before any push: no routes, refused
         self._policy_sync = self._start_policy_sync()
         version = 0
         if self._policy_sync is not None:  # the server may hold other weights (a resume, a given model)
