@@ -20,6 +20,7 @@ EXPORTED = [
     "TinyModelSpec",
     "build_model",
     "build_tokenizer",
+    "let_triton_run_on_cpu",
     "save_tiny_model",
 ]
 
