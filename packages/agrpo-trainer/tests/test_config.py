@@ -70,6 +70,7 @@ AGRPO_FIELDS = {
     "device_peak_flops": None,
     "routing_replay": False,
     "return_routed_experts": None,
+    "max_groups_dropped_in_a_row": 256,
 }
 
 

@@ -256,6 +256,13 @@ class AsyncGRPOConfig(TrainingArguments):
             "device name (A100, H100, H200, B200, MI300X, ...); MFU is left out when unknown (a CPU)."
         ),
     )
+    max_groups_dropped_in_a_row: int = field(
+        default=256,
+        metadata=_help(
+            "Groups in a row dropped for equal or unscorable rewards (none reaches the trainer) before the run "
+            "stops with NothingTrainedError; 0: never."
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.return_routed_experts is None:
@@ -339,6 +346,7 @@ class AsyncGRPOConfig(TrainingArguments):
             "max_staleness": (self.max_staleness, 0),
             "num_sampler_logprobs": (self.num_sampler_logprobs, 0),
             "sync_parity_probe_tokens": (self.sync_parity_probe_tokens, 0),
+            "max_groups_dropped_in_a_row": (self.max_groups_dropped_in_a_row, 0),
         }
         if self.max_concurrent_rollouts is not None:
             at_least["max_concurrent_rollouts"] = (self.max_concurrent_rollouts, 1)

@@ -2,7 +2,8 @@
 
     AsyncGRPOError                      base of the trainer's own errors
      ├── RolloutWorkerError             the rollout process raised, died or stopped answering
-     ├── NothingTrainedError            optimizer steps in a row had loss terms but none passed the IS mask
+     ├── NothingTrainedError            the run goes on updating nothing: optimizer steps in a row had loss
+     │                                  terms but none passed the IS mask, or groups in a row were all dropped
      └── ModelSetupError (ValueError)   a model/config combination the trainer cannot train
 
 Configuration mistakes found at construction are plain `ValueError`s naming the field to change; objects
@@ -27,5 +28,7 @@ class ModelSetupError(AsyncGRPOError, ValueError):
 
 
 class NothingTrainedError(AsyncGRPOError, RuntimeError):
-    """Several optimizer steps in a row excluded every loss term (importance ratios outside the clip
-    bounds): the run would go on updating nothing, so it stops and says what usually causes it."""
+    """The run would go on updating nothing, so it stops and says what usually causes it: several optimizer
+    steps in a row excluded every loss term (importance ratios outside the clip bounds, `EmptyStepGuard`), or
+    `max_groups_dropped_in_a_row` groups in a row had equal or unscorable rewards, so no sample reached the
+    trainer while the server kept generating (`DroppedGroupGuard`)."""

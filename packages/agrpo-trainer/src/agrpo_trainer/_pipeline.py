@@ -23,6 +23,7 @@ import numpy as np
 from agrpo_packing import PackingConfig
 
 from ._dispatch_hold import DispatchHold
+from ._group_guard import DroppedGroupGuard
 from ._metrics import CounterDeltas, MetricWindow
 from ._micro_batch_stream import MicroBatchStream, PackedMicroBatch
 from ._prompt_ledger import PromptLedger
@@ -85,8 +86,10 @@ class AsyncPipeline:
         prefetch: int,
         resume: ResumePoint,
         hold: DispatchHold | None = None,
+        max_groups_dropped_in_a_row: int = 0,
     ) -> None:
         self.source = source
+        self.group_guard = DroppedGroupGuard(max_groups_dropped_in_a_row)
         self.hold = hold if hasattr(source, "set_sample_allowance") else None
         """Holds the producer at `max_staleness` (None: it runs ahead as far as the queues let it)."""
         self._taken, self._published_at = 0, time.monotonic()
@@ -162,12 +165,14 @@ class AsyncPipeline:
             raise _ResyncDue
 
     def poll(self) -> None:
-        """Absorb group outcomes, server events and rollout metrics; raise if the worker failed or went silent."""
+        """Absorb group outcomes, server events and rollout metrics; raise if the worker failed or went silent,
+        or if too many groups in a row were dropped for their rewards (`DroppedGroupGuard`)."""
         for kind, value in self.source.drain_events():
             if kind == "draw":
                 self.ledger.record_draw(*value)
             elif kind == "group":
                 self.ledger.record_outcome(value)
+                self.group_guard.observe(value)
             elif kind == "server":
                 self._server_event(value)
             elif kind == "metrics":  # the loop's running totals, as counts since its previous push

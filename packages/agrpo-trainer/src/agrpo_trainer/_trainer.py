@@ -223,6 +223,7 @@ class AsyncGRPOTrainer(Trainer):
             prefetch=self.args.gradient_accumulation_steps + 1,
             resume=self._resume,
             hold=DispatchHold.for_run(self.args, world),
+            max_groups_dropped_in_a_row=self.args.max_groups_dropped_in_a_row,
         )
         self._pipeline.start(version)
 
