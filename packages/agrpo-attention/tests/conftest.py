@@ -57,16 +57,29 @@ def seeded_row(seed: int, *, share: bool = True, **shape) -> PackedRow:
     return row.pack()
 
 
-def half_only_varlen_kernel(self, q, k, v, layout, *, scaling, softcap):
-    """CPU twin of torch's varlen_attn (FA2): same contract, and the same refusal of anything but one
-    fp16/bf16 dtype for q, k and v (the GPU error the twin stands in for is quoted)."""
+def half_only_varlen_kernel(self, q, k, v, layout, *, scaling, softcap, window=None):
+    """CPU twin of torch's varlen_attn (FA2): same contract (causal bottom-right, a window of `window` keys back
+    as FA2's window_size=(window - 1, 0)), and the same refusal of anything but one fp16/bf16 dtype for q, k and
+    v (the GPU error the twin stands in for is quoted)."""
     from agrpo_attention._backends.cascade import _math_forward
 
     if q.dtype not in (torch.float16, torch.bfloat16) or not q.dtype == k.dtype == v.dtype:
         raise RuntimeError(
             f"FlashAttention only supports fp16 and bf16 data type (q {q.dtype}, k {k.dtype}, v {v.dtype})"
         )
-    return _math_forward(q, k, v, layout.q_offsets, layout.kv_offsets, True, scaling)[0]
+    if window is None:
+        return _math_forward(q, k, v, layout.q_offsets, layout.kv_offsets, True, scaling)[0]
+    groups, outs = q.shape[1] // k.shape[1], []
+    for s in range(layout.num_segments):
+        q_s = q[int(layout.q_offsets[s]) : int(layout.q_offsets[s + 1])].transpose(0, 1).float()
+        keys = slice(int(layout.kv_offsets[s]), int(layout.kv_offsets[s + 1]))
+        k_s, v_s = (x[keys].transpose(0, 1).repeat_interleave(groups, 0).float() for x in (k, v))
+        scores = q_s @ k_s.transpose(1, 2) * scaling
+        lq, lk = scores.shape[-2:]
+        ahead = torch.arange(lq)[:, None] + (lk - lq) - torch.arange(lk)[None, :]  # query depth - key depth
+        scores = scores.masked_fill((ahead < 0) | (ahead > window - 1), float("-inf"))
+        outs.append((scores.softmax(-1) @ v_s).transpose(0, 1))
+    return torch.cat(outs).to(q.dtype)
 
 
 @pytest.fixture

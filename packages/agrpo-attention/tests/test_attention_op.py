@@ -27,17 +27,23 @@ def _qkv(n: int, *, seed: int, dtype=torch.float32, grad: bool = True):
     return [x.requires_grad_(grad) for x in (q, k, v)]
 
 
+@pytest.mark.parametrize(("window", "with_sinks"), [(None, False), (9, True)])
 @pytest.mark.parametrize("softcap", [None, 20.0])
 @pytest.mark.parametrize("shared", [True, False])
-def test_the_custom_op_is_the_reference_with_autograd_gradients(trees, shared, softcap):
+def test_the_custom_op_is_the_reference_with_autograd_gradients(trees, shared, softcap, window, with_sinks):
     row = trees.shared_row() if shared else trees.random_row(3, share=False, vocab=512)
     layout = build_tree_plan(row, backend="reference").layout
     q, k, v = _qkv(row.num_tokens, seed=1)
+    sinks = (
+        torch.randn(4, generator=torch.Generator().manual_seed(3)).requires_grad_() if with_sinks else None
+    )
+    inputs = (q, k, v, sinks) if with_sinks else (q, k, v)
     grad = torch.randn(1, row.num_tokens, 4, 16, generator=torch.Generator().manual_seed(2))
-    want = BACKENDS["reference"].attend(q, k, v, layout, None, scaling=0.25, softcap=softcap)
-    want_grads = torch.autograd.grad(want, (q, k, v), grad)
-    got = tree_attention_op("reference", q, k, v, layout, scaling=0.25, softcap=softcap)
-    got_grads = torch.autograd.grad(got, (q, k, v), grad)
+    options = dict(scaling=0.25, softcap=softcap, window=window, sinks=sinks)
+    want = BACKENDS["reference"].attend(q, k, v, layout, None, **options)
+    want_grads = torch.autograd.grad(want, inputs, grad)
+    got = tree_attention_op("reference", q, k, v, layout, **options)
+    got_grads = torch.autograd.grad(got, inputs, grad)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     for g, w in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
@@ -49,7 +55,10 @@ def test_the_custom_op_passes_torchs_op_checks(trees):
     layout = build_tree_plan(row, backend="reference").layout
     q, k, v = _qkv(row.num_tokens, seed=3)
     tensors = (layout.q_offsets, layout.kv_index, layout.kv_offsets, layout.subtree_end, layout.host_offsets)
-    torch.library.opcheck(torch.ops.agrpo.tree_attention.default, (q, k, v, *tensors, "reference", 0.25, 0.0))
+    op = torch.ops.agrpo.tree_attention.default
+    torch.library.opcheck(op, (q, k, v, *tensors, "reference", 0.25, 0.0, 0, None))
+    sinks = torch.randn(4, requires_grad=True)
+    torch.library.opcheck(op, (q, k, v, *tensors, "reference", 0.25, 0.0, 7, sinks))
 
 
 class _Traced(Exception):
@@ -125,4 +134,3 @@ def test_what_a_compiled_layer_is_handed_of_a_row_holds_no_python_sequence():
         hints = {f.name: str(f.type) for f in dataclasses.fields(record)}
         sequences = {n: t for n, t in hints.items() if t.startswith(("tuple", "list", "Sequence"))}
         assert not sequences, f"{record.__name__}: {sequences}"
-

@@ -11,6 +11,7 @@ from agrpo_attention import (
     available_backends,
     build_tree_plan,
 )
+from agrpo_attention._attention_needs import AttentionNeeds
 from agrpo_attention._backends import BACKENDS, resolve_backend
 
 
@@ -69,19 +70,19 @@ def _assert_same_outputs_and_grads(out, expected, inputs, *, grad_atol: float, o
 
 
 def test_auto_on_cpu_is_reference_and_gpu_backends_refuse_clearly():
-    assert resolve_backend("auto", "cpu", needs_softcap=False).name == "reference"
+    assert resolve_backend("auto", "cpu").name == "reference"
     for name in ("varlen", "fa3", "fa4", "aiter"):
         with pytest.raises(BackendUnavailableError, match=f"backend='{name}' cannot run here"):
-            resolve_backend(name, "cpu", needs_softcap=False)
+            resolve_backend(name, "cpu")
 
 
 def test_unknown_backend_and_softcap_without_support_are_refused():
     with pytest.raises(BackendUnavailableError, match="unknown"):
-        resolve_backend("flash", "cpu", needs_softcap=False)
+        resolve_backend("flash", "cpu")
     assert not BACKENDS["varlen"].supports_softcap
     with pytest.raises(UnsupportedModelError, match="softcapping"):
-        resolve_backend("varlen", "cpu", needs_softcap=True)
-    assert resolve_backend("auto", "cpu", needs_softcap=True).supports_softcap
+        resolve_backend("varlen", "cpu", needs=AttentionNeeds(softcap=True))
+    assert resolve_backend("auto", "cpu", needs=AttentionNeeds(softcap=True)).supports_softcap
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -167,7 +168,7 @@ def test_cascade_compiles_as_one_graph_with_the_same_outputs_and_gradients(trees
 
 def test_cascade_refuses_cpu_clearly():
     with pytest.raises(BackendUnavailableError, match="backend='cascade' cannot run here"):
-        resolve_backend("cascade", "cpu", needs_softcap=False)
+        resolve_backend("cascade", "cpu")
 
 
 def test_adaptive_picks_varlen_for_rows_that_share_little_and_flex_for_rows_that_share_a_lot(trees):
@@ -179,9 +180,9 @@ def test_adaptive_picks_varlen_for_rows_that_share_little_and_flex_for_rows_that
     assert path_ratio(flat) == 1.0 and backend.choose(flat).name == "varlen"
     shared = build_tree_layout(trees.random_row(0, vocab=512, rollouts=8, longest=60), "cpu")
     assert backend.choose(shared).name == ("flex" if path_ratio(shared) >= FLEX_FROM_PATH_RATIO else "varlen")
-    assert resolve_backend("auto", "cpu", needs_softcap=False).name == "reference"
+    assert resolve_backend("auto", "cpu").name == "reference"
     with pytest.raises(BackendUnavailableError, match="backend='adaptive' cannot run here"):
-        resolve_backend("adaptive", "cpu", needs_softcap=False)
+        resolve_backend("adaptive", "cpu")
 
 
 def test_available_backends_lists_what_can_train_and_forward_only_ones_on_request():
@@ -211,10 +212,10 @@ def test_auto_skips_backends_that_cannot_run_the_model_dtype(monkeypatch):
     from agrpo_attention._backends.fa3 import FA3Backend
 
     monkeypatch.setattr(FA3Backend, "unavailable_reason", lambda self, device: None)
-    assert resolve_backend("auto", "cuda", needs_softcap=False, dtype=torch.bfloat16).name == "fa3"
-    assert resolve_backend("auto", "cuda", needs_softcap=False, dtype=torch.float32).name == "adaptive"
+    assert resolve_backend("auto", "cuda", dtype=torch.bfloat16).name == "fa3"
+    assert resolve_backend("auto", "cuda", dtype=torch.float32).name == "adaptive"
     half = (torch.float16, torch.bfloat16)
     assert {n for n, b in BACKENDS.items() if b.input_dtypes == half} == {"varlen", "fa3", "fa4", "aiter"}
     assert all(BACKENDS[n].input_dtypes is None for n in ("reference", "flex", "cascade", "adaptive"))
     # an explicit name is not refused for float32 weights: autocast may cast q/k/v at run time
-    assert resolve_backend("fa3", "cuda", needs_softcap=False, dtype=torch.float32).name == "fa3"
+    assert resolve_backend("fa3", "cuda", dtype=torch.float32).name == "fa3"

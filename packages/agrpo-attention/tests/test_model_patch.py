@@ -44,7 +44,7 @@ def test_forward_without_a_plan_and_logprobs_before_enabling_are_refused(tiny_de
     enable_tree_attention(model)
     with pytest.raises(TreePlanMissingError, match="token_logprobs"):
         model(input_ids=row.input_ids[None])
-    with pytest.raises(ValueError, match="takes backend and device from the model"):
+    with pytest.raises(ValueError, match="takes backend, device and windows from the model"):
         build_tree_plan(row, model, backend="flex")
     with pytest.raises(ValueError, match="not built for this model"):
         token_logprobs(model, row, plan=build_tree_plan(row, backend="flex"))
@@ -75,8 +75,8 @@ def test_patched_deltanet_runs_its_stock_forward_without_a_plan_and_copies_stay_
 
 def test_unsupported_layer_types_and_mixers_are_refused(tiny_dense):
     model = copy.deepcopy(tiny_dense)
-    model.config.layer_types = ["sliding_attention", "full_attention"]
-    with pytest.raises(UnsupportedModelError, match="layer 0 is 'sliding_attention'"):
+    model.config.layer_types = ["chunked_attention", "full_attention"]
+    with pytest.raises(UnsupportedModelError, match="layer 0 is 'chunked_attention'"):
         enable_tree_attention(model)
 
     class FakeMambaMixer(torch.nn.Module):

@@ -1,9 +1,10 @@
-"""Routing replay on tiny Qwen3-MoE, OLMoE, Mixtral and Qwen3-Next models, on CPU.
+"""Routing replay on tiny Qwen3-MoE, OLMoE, Mixtral, Qwen3-Next and gpt-oss models, on CPU.
 
 Replaying the model's own routes is bit-identical to live routing (fp32 and fp64, log-probs and every
 gradient); replaying other routes matches a direct computation written here from the models' definitions
 (a per-token loop over the chosen experts, gate weights from the softmax at those ids), with the packed
-tree row against each sample forwarded alone through the stock model (fp64); tokens with -1 route live;
+tree row against each sample forwarded alone through the stock model (fp64), and on a plain (unpacked, stock
+attention) forward; tokens with -1 route live;
 the router keeps a non-zero gradient; activation recompute and compiled layers use the same experts;
 `replay=False` leaves the forward unchanged and measures agreement; bad routes and dense models are refused.
 Routes of the packed row and of each sample alone come from one function of (depth, token, layer), so a
@@ -31,11 +32,12 @@ from agrpo_attention import (
     token_scores,
 )
 from agrpo_attention import _token_logprobs as token_logprobs_module
+from agrpo_attention._routing_replay import RowRoutes
 from agrpo_attention.testing import TinyModelSpec, build_model, build_tokenizer
 from agrpo_packing import PackSample, TreeRow
 from agrpo_packing.testing import GroupShape, assert_packed_logprobs_match, random_grpo_groups
 
-FAMILIES = ("moe", "olmoe", "mixtral", "qwen3_next_moe")
+FAMILIES = ("moe", "olmoe", "mixtral", "qwen3_next_moe", "gpt_oss")
 NUM_EXPERTS, TOP_K = 4, 2
 
 
@@ -83,20 +85,27 @@ def routes_of(depth: torch.Tensor, ids: torch.Tensor, num_layers: int = 2) -> to
     return routes.to(torch.int16)
 
 
-def own_routes(model, row) -> torch.Tensor:
-    """(N, L, K) int16: the experts `model` routes each packed token to live (zeros for dense layers)."""
+def router_of(mlp):
+    """The MoE block's router (`gate`; gpt-oss: `router`); None for a dense MLP."""
+    return getattr(mlp, "gate", None) or getattr(mlp, "router", None)
+
+
+def own_routes(model, row, forward=None) -> torch.Tensor:
+    """(N, L, K) int16: the experts `model` routes each packed token to live (zeros for dense layers), in a
+    tree forward of `row` (or `forward()`, a plain forward of N tokens)."""
     chosen = {}
     layers = model.model.layers
     hooks = [
-        layer.mlp.gate.register_forward_hook(lambda _m, _a, out, i=i: chosen.__setitem__(i, out[2]))
+        router_of(layer.mlp).register_forward_hook(lambda _m, _a, out, i=i: chosen.__setitem__(i, out[2]))
         for i, layer in enumerate(layers)
-        if hasattr(layer.mlp, "gate")
+        if router_of(layer.mlp) is not None
     ]
     with torch.no_grad():
-        token_logprobs(model, row)
+        token_logprobs(model, row) if forward is None else forward()
     for hook in hooks:
         hook.remove()
-    routes = torch.zeros(row.num_tokens, len(layers), TOP_K, dtype=torch.int16)
+    num_tokens = row.num_tokens if forward is None else len(next(iter(chosen.values())))
+    routes = torch.zeros(num_tokens, len(layers), TOP_K, dtype=torch.int16)
     for i, experts in chosen.items():
         routes[:, i] = experts.to(torch.int16)
     return routes
@@ -127,11 +136,42 @@ def test_replaying_the_models_own_routes_is_bit_identical_to_live_routing(kind, 
     assert matching == routed == row.num_tokens * len(enable_routing_replay(model).moe_layers)
 
 
+def reference_gpt_oss_block(block, routes_TK: torch.Tensor):
+    """gpt-oss's block computed directly: logits with the router's bias, the routed ids (live top-k where -1),
+    softmax over those ids' logits alone; experts with biases, interleaved gate/up, clamped SwiGLU with
+    `up + 1`."""
+    router, experts = block.router, block.experts
+
+    def forward(hidden_states):
+        h_TH = hidden_states.reshape(-1, hidden_states.shape[-1])
+        logits_TE = h_TH @ router.weight.T + router.bias
+        experts_TK = torch.where(routes_TK >= 0, routes_TK, logits_TE.topk(TOP_K, -1).indices)
+        weights_TK = torch.softmax(logits_TE.gather(1, experts_TK), -1)
+        out_TH = torch.zeros_like(h_TH)
+        for slot in range(TOP_K):
+            e_T = experts_TK[:, slot]
+            gate_up_T2I = (
+                torch.einsum("th,tho->to", h_TH, experts.gate_up_proj[e_T]) + experts.gate_up_proj_bias[e_T]
+            )
+            gate_TI = gate_up_T2I[:, 0::2].clamp(max=experts.limit)
+            up_TI = gate_up_T2I[:, 1::2].clamp(-experts.limit, experts.limit)
+            act_TI = (up_TI + 1) * gate_TI * torch.sigmoid(experts.alpha * gate_TI)
+            expert_TH = (
+                torch.einsum("ti,tih->th", act_TI, experts.down_proj[e_T]) + experts.down_proj_bias[e_T]
+            )
+            out_TH = out_TH + weights_TK[:, slot, None] * expert_TH
+        return out_TH.reshape(hidden_states.shape), weights_TK
+
+    return forward
+
+
 def reference_moe_block(block, routes_TK: torch.Tensor, kind: str):
     """The block's output computed directly: per token, its routed experts' weights gathered and applied (live
     top-k where -1), weighted by
     the softmax of the router logits at those ids (renormalised as the family does), plus Qwen3-Next's gated
     shared expert."""
+    if kind == "gpt_oss":
+        return reference_gpt_oss_block(block, routes_TK)
 
     def forward(hidden_states):
         h_TH = hidden_states.reshape(-1, hidden_states.shape[-1])
@@ -162,7 +202,7 @@ def direct_sequence_logprobs(stock, kind: str):
     def sequence_logprobs(input_ids: torch.Tensor) -> torch.Tensor:
         routes = routes_of(torch.arange(input_ids.shape[0]), input_ids).to(torch.int64)
         for i, layer in enumerate(stock.model.layers):
-            if hasattr(layer.mlp, "gate"):
+            if router_of(layer.mlp) is not None:
                 layer.mlp.forward = reference_moe_block(layer.mlp, routes[:, i], kind)
         logits = stock(input_ids=input_ids[None]).logits[0, :-1]
         return logits.log_softmax(-1).gather(1, input_ids[1:, None])[:, 0]
@@ -188,6 +228,62 @@ def test_packed_replay_equals_a_direct_computation_of_each_sample_alone_fp64(kin
     for (name, p), (_, q) in zip(model.named_parameters(), stock.named_parameters(), strict=True):
         assert (p.grad - q.grad).norm() <= 1e-6 * q.grad.norm() + 1e-14, name
     assert not torch.equal(packed, token_logprobs(model, row))  # the routes changed something
+
+
+def plain_sequence():
+    """About 40 tokens of one sequence (longer than the gpt-oss model's sliding window of 16)."""
+    return torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(5))
+
+
+def plain_logprobs_and_grads(model, input_ids, routes=None):
+    """A plain forward (stock attention, one unpacked sequence, `moe_routes` as `token_scores` hands them):
+    (next-token log-probs, parameter gradients of a fixed weighting of them, the routes' counts or None)."""
+    model.zero_grad(set_to_none=True)
+    row_routes = None if routes is None else RowRoutes(routes_NLK=routes.to(torch.int64))
+    kwargs = {} if row_routes is None else {"moe_routes": row_routes}
+    logits = model(input_ids=input_ids[None], use_cache=False, **kwargs).logits[0, :-1]
+    logprobs = logits.log_softmax(-1).gather(1, input_ids[1:, None])[:, 0]
+    (logprobs * torch.linspace(-1, 1, logprobs.shape[0], dtype=logprobs.dtype)).sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return logprobs.detach(), grads, None if row_routes is None else row_routes.agreement_counts()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_plain_forward_replay_of_the_models_own_routes_is_bit_identical_to_live_routing(kind, dtype):
+    stock = stock_model(kind, dtype)
+    model = copy.deepcopy(stock)
+    settings = enable_routing_replay(model)
+    input_ids = plain_sequence()
+    routes = own_routes(stock, None, forward=lambda: stock(input_ids=input_ids[None], use_cache=False))
+    live, live_grads, _ = plain_logprobs_and_grads(model, input_ids)
+    replayed, replayed_grads, counts = plain_logprobs_and_grads(model, input_ids, routes)
+    assert torch.equal(replayed, live)
+    assert live_grads.keys() == replayed_grads.keys()
+    for name, grad in live_grads.items():
+        assert torch.equal(replayed_grads[name], grad), name
+    assert counts.tolist() == [input_ids.shape[0] * len(settings.moe_layers)] * 2
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_plain_forward_replay_equals_a_direct_computation_fp64(kind):
+    stock = stock_model(kind, torch.float64)
+    model = copy.deepcopy(stock)
+    enable_routing_replay(model)
+    input_ids = plain_sequence()
+    routes = routes_of(torch.arange(input_ids.shape[0]), input_ids)
+    replayed, grads, counts = plain_logprobs_and_grads(model, input_ids, routes)
+    stock.zero_grad(set_to_none=True)
+    direct = direct_sequence_logprobs(stock, kind)(input_ids)
+    torch.testing.assert_close(replayed, direct.detach(), atol=1e-10, rtol=0)
+    (direct * torch.linspace(-1, 1, direct.shape[0], dtype=direct.dtype)).sum().backward()
+    for name, q in stock.named_parameters():  # fp32 gate weights in fp64 models: see the packed fp64 test
+        assert (grads[name] - q.grad).norm() <= 1e-6 * q.grad.norm() + 1e-14, name
+    routed = int((routes[:, list(enable_routing_replay(model).moe_layers), 0] >= 0).sum())
+    assert counts[1] == routed and counts[0] < routed
+    assert not torch.equal(
+        replayed, plain_logprobs_and_grads(model, input_ids)[0]
+    )  # the routes changed something
 
 
 def tree_alone_logprobs(model):
@@ -224,7 +320,7 @@ def test_the_router_keeps_a_gradient_and_unrouted_tokens_route_live(kind):
     _, grads = logprobs_and_grads(
         model, dataclasses.replace(row, routed_experts=routes_of(row.position_ids, row.input_ids))
     )
-    routers = [n for n in grads if n.endswith("mlp.gate.weight")]
+    routers = [n for n in grads if n.endswith(("mlp.gate.weight", "mlp.router.weight"))]
     assert routers and all(grads[n].abs().sum() > 0 for n in routers)
     unrouted = torch.full((row.num_tokens, 2, TOP_K), -1, dtype=torch.int16)
     live = token_scores(model, row)
@@ -262,12 +358,13 @@ def test_activation_recompute_uses_the_replayed_experts():
         assert torch.equal(recomputed_grads[name], grad), name
 
 
-def test_a_compiled_checkpointed_layer_replays_in_one_graph_for_rows_of_any_size():
+@pytest.mark.parametrize("kind", ["qwen3_next_moe", "gpt_oss"])
+def test_a_compiled_checkpointed_layer_replays_in_one_graph_for_rows_of_any_size(kind):
     """The layer's class forward with its routes as kwargs, checkpointed, compiled fullgraph (so any graph
     break fails): same outputs and router gradients as eager; no recompile for rows of other sizes."""
-    model = stock_model("qwen3_next_moe")
+    model = stock_model(kind)
     enable_routing_replay(model)
-    layer = model.model.layers[1]  # the MoE layer (layer 0 is dense)
+    layer = model.model.layers[1]  # a MoE layer (Qwen3-Next's layer 0 is dense; gpt-oss's is sliding)
 
     def region(hidden, cos, sin, routes, counts):
         return checkpoint(type(layer).forward, layer, hidden, position_embeddings=(cos, sin), attention_mask=None,
@@ -286,7 +383,7 @@ def test_a_compiled_checkpointed_layer_replays_in_one_graph_for_rows_of_any_size
             counts = torch.zeros(2, dtype=torch.int64)
             out = run(hidden, cos, sin, routes, counts)
             out.square().sum().backward()
-            results.append((out.detach(), layer.mlp.gate.weight.grad.clone(), counts))
+            results.append((out.detach(), router_of(layer.mlp).weight.grad.clone(), counts))
         (out, grad, counts), (eager_out, eager_grad, eager_counts) = results
         torch.testing.assert_close(out, eager_out, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(grad, eager_grad, rtol=1e-5, atol=1e-6)

@@ -41,12 +41,31 @@ def test_the_body_excludes_embeddings_and_the_head_whether_tied_or_not(tokenizer
     assert ModelFlops.of(untied).body_params == sum(p.numel() for p in untied.parameters()) - 2 * table
     assert ModelFlops.of(tied).body_params == sum(p.numel() for p in tied.parameters()) - table
     flops = ModelFlops.of(untied)
-    assert (flops.head_params, flops.attention_layers, flops.attention_width) == (table, 2, 2 * 32)
+    assert (flops.head_params, flops.attention_windows, flops.attention_width) == (table, (None, None), 2 * 32)
 
 
 def test_a_hybrid_counts_only_its_softmax_attention_layers(tokenizer):
     hybrid = build_model(TinyModelSpec(kind="hybrid", num_layers=4), tokenizer)
-    assert ModelFlops.of(hybrid).attention_layers == 1
+    assert ModelFlops.of(hybrid).attention_windows == (None,)
+
+
+@pytest.mark.parametrize(
+    ("kind", "windows"),
+    [("gemma3", (4, 4, None, 4)), ("gpt_oss", (4, None, 4, None)), ("mistral", (4, 4, 4, 4)), ("qwen3", (None,) * 4)],
+)
+def test_a_windowed_layer_counts_only_the_pairs_its_window_attends(tokenizer, kind, windows):
+    flops = ModelFlops.of(build_model(TinyModelSpec(kind=kind, num_layers=4, sliding_window=4), tokenizer))
+    assert flops.attention_windows == windows
+    a = _sample(list(range(5, 15)), trained_from=5)
+    b = _sample([*range(5, 10), 30, 31, 32], trained_from=5)
+    shared = _row(a, b)
+    depth = shared.position_ids.to(torch.int64)
+    full, windowed = int((depth + 1).sum()), int((depth + 1).clamp(max=4).sum())
+    assert windowed < full
+    layers = [windowed if w else full for w in windows]
+    without_attention = ModelFlops(flops.body_params, flops.head_params, (), flops.attention_width)
+    attention = flops.row_flops(shared) - without_attention.row_flops(shared)
+    assert attention == pytest.approx(12 * flops.attention_width * sum(layers))
 
 
 def test_a_shared_prefix_is_counted_once_in_tokens_and_attended_pairs(tokenizer):

@@ -24,6 +24,10 @@ class AttentionBackend(Protocol):
     """Name users pass to `enable_tree_attention(model, backend=...)`."""
     supports_softcap: bool
     """Whether `attend` honours `softcap` (models with `attn_logit_softcapping` need it)."""
+    supports_window: bool
+    """Whether `attend` honours `window`, a sliding window of the last W tokens of each query's path."""
+    supports_sinks: bool
+    """Whether `attend` honours `sinks`, learned per-head logits that join each softmax without a value."""
     input_dtypes: tuple[torch.dtype, ...] | None
     """The q/k/v dtypes `attend` runs (flash kernels: fp16 and bf16); None = any floating dtype."""
     forward_only_on: tuple[str, ...]
@@ -37,8 +41,9 @@ class AttentionBackend(Protocol):
         """None if the backend runs on `device` here, else why not and how to fix it."""
         ...
 
-    def prepare(self, layout: TreeLayout) -> object:
-        """Per-forward state shared by every layer (a block mask, say); None if nothing is needed."""
+    def prepare(self, layout: TreeLayout, *, windows: tuple[int, ...] = (), sinks: bool = False) -> object:
+        """Per-forward state shared by every layer (a block mask per window, say); None if nothing is needed.
+        `windows`: the model's sliding windows; `sinks`: whether its layers pass sinks."""
         ...
 
     def attend(
@@ -51,6 +56,8 @@ class AttentionBackend(Protocol):
         *,
         scaling: float,
         softcap: float | None,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """query (1, Hq, N, D), key/value (1, Hkv, N, D) -> output (1, N, Hq, D)."""
+        """query (1, Hq, N, D), key/value (1, Hkv, N, D), sinks (Hq,) -> output (1, N, Hq, D)."""
         ...

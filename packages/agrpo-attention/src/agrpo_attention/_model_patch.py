@@ -1,8 +1,9 @@
 """`enable_tree_attention`: switch a stock transformers decoder to tree attention, explicitly, per model.
 
-Owns the checks that refuse what tree attention cannot run (layer types other than full attention and
-Gated DeltaNet in the Qwen3.5 or Qwen3-Next layout, other recurrent mixers, softcapping on a backend without it, models that
-do not route attention through transformers' `AttentionInterface`), the switch of
+Owns the checks that refuse what tree attention cannot run (layer types other than full, sliding-window and
+Gated DeltaNet in the Qwen3.5 or Qwen3-Next layout, other recurrent mixers, chunked or non-causal attention and
+attention dropout (`_attention_keywords`), a sliding window, sinks or softcapping on a backend without them
+(`_attention_needs`), models that do not route attention through transformers' `AttentionInterface`), the switch of
 `attn_implementation` to "agrpo_tree", the per-instance patch of each Gated DeltaNet module's forward
 (its tree path runs only when a tree plan is passed; without one the stock forward runs), and the
 settings recorded on the model for `build_tree_plan`. Nothing is patched at import. Does not know
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from ._attention_backend import AttentionBackend
+from ._attention_keywords import model_attention_refusals
+from ._attention_needs import AttentionNeeds, attention_needs
 from ._backends import resolve_backend
 from ._exceptions import UnsupportedModelError
 from ._tree_attention import ATTENTION_NAME, register_tree_attention
@@ -28,7 +31,7 @@ from ._tree_deltanet import (
 )
 
 _SETTINGS_ATTRIBUTE = "_agrpo_tree_settings"
-_SUPPORTED_LAYER_TYPES = ("full_attention", "linear_attention")
+_SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 _UNSUPPORTED_MIXERS = ("Mamba", "ShortConv", "LinearAttention", "Lightning", "Rwkv", "RWKV", "Retention")
 
 
@@ -44,6 +47,9 @@ class TreeSettings:
     """Gated DeltaNet convolution taps; None when the model has no such layer."""
     deltanet_kernel: str | None
     """"torch", "triton" or "fla"; None when the model has no Gated DeltaNet layer."""
+    needs: AttentionNeeds
+    """The sliding windows, sinks and softcapping of the model's attention layers (block masks are prepared
+    per window)."""
 
 
 def tree_settings(model: torch.nn.Module) -> TreeSettings:
@@ -73,6 +79,28 @@ def deltanet_traceable(model: torch.nn.Module) -> bool:
 def _text_config(model: torch.nn.Module):
     config = model.config
     return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _text_decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The module tree attention runs in: the model itself, or a multimodal model's language model (Gemma 3's
+    `Gemma3ForConditionalGeneration`: its vision tower keeps its own attention and never sees a tree row)."""
+    if _text_config(model) is model.config or not hasattr(model, "get_decoder"):
+        return model
+    return model.get_decoder()
+
+
+def _text_attention_implementation(model: torch.nn.Module):
+    """What `set_attn_implementation` takes to switch the language model only: "agrpo_tree" for a text model, a
+    `{sub-config name: "agrpo_tree"}` mapping for a multimodal one."""
+    config, text = model.config, _text_config(model)
+    if text is config:
+        return ATTENTION_NAME
+    names = [name for name in getattr(config, "sub_configs", {}) if getattr(config, name, None) is text]
+    if not names:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}'s text config is not one of its sub-configs; load its language model alone"
+        )
+    return {names[0]: ATTENTION_NAME}
 
 
 def _deltanet_modules(model: torch.nn.Module, config) -> list[tuple[str, torch.nn.Module]]:
@@ -131,9 +159,12 @@ def enable_tree_attention(
     CUDA with triton, else "torch"), "torch" (the PyTorch rule, forced), "triton" or "fla"."""
     config = _text_config(model)
     deltanets = _deltanet_modules(model, config)
+    decoder = _text_decoder(model)
+    if refusals := model_attention_refusals(decoder):
+        raise UnsupportedModelError("; ".join(refusals))
     device = next(model.parameters()).device
-    needs_softcap = bool(getattr(config, "attn_logit_softcapping", None))
-    chosen = resolve_backend(backend, device, needs_softcap=needs_softcap, dtype=_parameter_dtype(model))
+    needs = attention_needs(decoder)
+    chosen = resolve_backend(backend, device, needs=needs, dtype=_parameter_dtype(model))
     kernel = resolve_delta_rule_kernel(deltanet_kernel, device) if deltanets else None
     if not type(model)._can_set_attn_implementation():
         raise UnsupportedModelError(
@@ -141,10 +172,12 @@ def enable_tree_attention(
             "so its attention cannot be replaced"
         )
     register_tree_attention()
-    model.set_attn_implementation(ATTENTION_NAME)
+    model.set_attn_implementation(_text_attention_implementation(model))
     for _, module in deltanets:
         _patch_deltanet(module)
     conv_taps = int(deltanets[0][1].conv1d.weight.shape[-1]) if deltanets else None
-    settings = TreeSettings(backend=chosen, device=device, conv_kernel_size=conv_taps, deltanet_kernel=kernel)
+    settings = TreeSettings(
+        backend=chosen, device=device, conv_kernel_size=conv_taps, deltanet_kernel=kernel, needs=needs
+    )
     setattr(model, _SETTINGS_ATTRIBUTE, settings)
     return chosen.name

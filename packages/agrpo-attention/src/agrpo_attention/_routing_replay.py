@@ -5,9 +5,10 @@ Why: an inference engine and the trainer route a token to different experts (dif
 shapes and precision flip near-tied router logits), so an importance ratio would measure routing noise.
 Replay trains on the sampler's experts: the top-k *ids* come from `PackedRow.routed_experts`, the gate
 *weights* are recomputed from the live router logits at those ids by the model's own formula (softmax
-over all experts, gather, renormalise where the model does, the model's dtype), so the router keeps its
-gradient, and replaying the model's own routes is bit-identical to live routing. Tokens without a route
-(-1: the last sampled token, prompt tokens the server skipped) route live.
+over all experts, gather, renormalise where the model does, the model's dtype; gpt-oss: softmax over the
+chosen ids' logits only, which include the router's bias), so the router keeps its gradient, and replaying
+the model's own routes is bit-identical to live routing. Tokens without a route (-1: the last sampled token,
+prompt tokens the server skipped) route live.
 
 How routes reach each layer, so that activation recompute and `torch.compile` see the same experts:
 `token_scores` passes a `RowRoutes` as the model's forward kwarg `moe_routes`; transformers hands forward
@@ -20,7 +21,8 @@ inside a compiled layer they are graph inputs (no setattr in the graph, no guard
 pre-hook slices eagerly). The patched router calls its class's forward (live logits, weights and top-k),
 writes into the counter how many routed tokens have a live top-k set equal to the route, and, with
 replay, swaps in the replayed ids and their recomputed weights. Cost per MoE layer and row: a second
-softmax over (N, E) logits, two sorts of (N, k) ids, a gather (measured in docs/benchmarks.md).
+softmax over (N, E) logits (gpt-oss: over (N, k)), two sorts of (N, k) ids, a gather (measured in
+docs/benchmarks.md).
 
 Does not know where routes come from (vLLM, the rollout) nor the loss; `token_scores` checks the row's
 routes against the model (`row_routes`) once per row.
@@ -53,6 +55,9 @@ class _GateRule:
     """Router attribute that says whether the top-k weights are renormalised; None: always."""
     to_logit_dtype: bool
     """The weights are cast back to the router logits' dtype (Mixtral keeps them in fp32)."""
+    top_k_softmax: bool = False
+    """The softmax runs over the chosen ids' logits only, in the logits' dtype (gpt-oss: top-k of the logits,
+    then softmax): mathematically softmax-gather-renormalise, computed as the model computes it."""
 
 
 _GATE_RULES = {
@@ -60,6 +65,7 @@ _GATE_RULES = {
     "OlmoeTopKRouter": _GateRule("norm_topk_prob", True),
     "Qwen3NextTopKRouter": _GateRule("norm_topk_prob", True),
     "MixtralTopKRouter": _GateRule(None, False),
+    "GptOssTopKRouter": _GateRule(None, True, top_k_softmax=True),
 }
 """The transformers (5.24) routers replay supports: they return (router_logits, weights, top-k ids)."""
 SUPPORTED_MOE_BLOCKS = (
@@ -67,7 +73,10 @@ SUPPORTED_MOE_BLOCKS = (
     "OlmoeSparseMoeBlock",
     "MixtralSparseMoeBlock",
     "Qwen3NextSparseMoeBlock",
+    "GptOssMLP",
 )
+_ROUTER_ATTRIBUTES = ("gate", "router")
+"""Where a MoE block keeps its router: `gate`, or `router` (gpt-oss)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -123,6 +132,9 @@ def _replay_router_forward(self, hidden_states):
         return logits, weights, live_NK
     experts_NK = torch.where(routed_N[:, None], routes_NK, live_NK)
     rule = _GATE_RULES[type(self).__name__]
+    if rule.top_k_softmax:
+        chosen = logits.gather(1, experts_NK)
+        return logits, torch.nn.functional.softmax(chosen, dim=1, dtype=chosen.dtype), experts_NK
     probs = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
     chosen = probs.gather(1, experts_NK)
     if rule.renormalise is None or getattr(self, rule.renormalise):
@@ -188,14 +200,16 @@ def _decoder_layers(model: torch.nn.Module, num_layers: int) -> list[torch.nn.Mo
 def _moe_router(layer: torch.nn.Module, index: int) -> tuple[str, torch.nn.Module] | None:
     """(name, router) of the layer's MoE block; None for a dense layer; refuses an unsupported MoE block."""
     for name, module in layer.named_modules():
-        if not (hasattr(module, "experts") and hasattr(module, "gate")):
+        attribute = next((a for a in _ROUTER_ATTRIBUTES if hasattr(module, a)), None)
+        if not hasattr(module, "experts") or attribute is None:
             continue
-        if type(module).__name__ not in SUPPORTED_MOE_BLOCKS or type(module.gate).__name__ not in _GATE_RULES:
+        router = getattr(module, attribute)
+        if type(module).__name__ not in SUPPORTED_MOE_BLOCKS or type(router).__name__ not in _GATE_RULES:
             raise UnsupportedModelError(
-                f"decoder layer {index} has a {type(module).__name__} (router {type(module.gate).__name__}); "
+                f"decoder layer {index} has a {type(module).__name__} (router {type(router).__name__}); "
                 f"routing replay supports {list(SUPPORTED_MOE_BLOCKS)}: pass routing_replay=False for this model"
             )
-        return f"{name}.gate", module.gate
+        return f"{name}.{attribute}", router
     return None
 
 
@@ -210,7 +224,7 @@ def _patch_router(router: torch.nn.Module, replay: bool) -> None:
 
 
 def enable_routing_replay(model: torch.nn.Module, *, replay: bool = True) -> RoutingReplaySettings:
-    """Patch every MoE layer of `model` (Qwen3-MoE, OLMoE, Mixtral or Qwen3-Next, transformers 5.24) so that
+    """Patch every MoE layer of `model` (Qwen3-MoE, OLMoE, Mixtral, Qwen3-Next or gpt-oss, transformers 5.24) so that
     `token_scores` hands it the routes of rows that carry `routed_experts`: with `replay`, each routed token
     uses the sampler's experts (gate weights from the live logits, the router keeps its gradient); with
     `replay=False` routing stays live and only the route agreement is measured. Raises

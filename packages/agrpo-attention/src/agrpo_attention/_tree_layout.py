@@ -41,7 +41,8 @@ class TreeLayout:
     is_flat: bool
     """True when every segment is a root: nothing is shared and `kv_index` is the identity."""
     host_offsets: torch.Tensor
-    """(2, S + 1) int64 on the host: `q_offsets` and `kv_offsets`. The only host copy of the offsets, and a
+    """(3, S + 1) int64 on the host: `q_offsets`, `kv_offsets` and each segment's parent (-1 for a root; the last
+    column is padding). The only host copy of the offsets, and a
     tensor rather than tuples: a compiled decoder layer that is handed the layout then sees a tensor of
     dynamic size, where tuple fields would be guarded on their length (one graph per segment count, seen
     on the H200 with torch 2.11). The tree attention custom op (`_attention_op.py`) rebuilds the layout
@@ -58,14 +59,41 @@ class TreeLayout:
         return tuple(self.host_offsets[1].tolist())
 
     @property
+    def segment_parent_host(self) -> np.ndarray:
+        """(S,) parent segment of each segment, -1 for a root (eager code only)."""
+        return self.host_offsets[2, :-1].numpy()
+
+    @property
     def num_segments(self) -> int:
         return self.host_offsets.shape[1] - 1
 
     @property
     def score_pairs(self) -> int:
         """(query, key) pairs attention scores: sum over segments of Lq * Lk - Lq * (Lq - 1) / 2."""
-        lq, lk = np.diff(self.host_offsets.numpy(), axis=1)
-        return int((lq * lk - lq * (lq - 1) // 2).sum())
+        return self.score_pairs_within(None)
+
+    def score_pairs_within(self, window: int | None) -> int:
+        """(query, key) pairs a layer with sliding window `window` scores (None: no window): a query at depth d
+        attends to min(d + 1, window) keys of its path."""
+        lq, lk = np.diff(self.host_offsets[:2].numpy(), axis=1)
+        first = lk - lq  # depth of each segment's first query
+        last = lk - 1
+        if window is None:
+            return int((lq * lk - lq * (lq - 1) // 2).sum())
+        # sum over d in [first, last] of min(d + 1, window): the part below the window, then the capped part
+        below_end = np.clip(
+            np.minimum(last + 1, window - 1), first, None
+        )  # depths first..below_end-1 uncapped
+        uncapped = (below_end * (below_end + 1) - first * (first + 1)) // 2
+        capped = (last + 1 - below_end) * window
+        return int((uncapped + capped).sum())
+
+
+def token_depths(layout: TreeLayout) -> np.ndarray:
+    """(N,) depth of every packed token on its root-to-token path (its position id; host, eager code only)."""
+    lq, lk = np.diff(layout.host_offsets[:2].numpy(), axis=1)
+    starts = layout.host_offsets[0, :-1].numpy()
+    return np.arange(layout.num_tokens) - np.repeat(starts - (lk - lq), lq)
 
 
 def segment_subtree_ends(segment_parent: np.ndarray) -> np.ndarray:
@@ -98,6 +126,7 @@ def build_tree_layout(
     kv_offsets = row.kv_offsets.detach().cpu().numpy().astype(np.int64)
     parents = row.segment_parent.detach().cpu().numpy().astype(np.int64)
     seg_len = np.diff(q_offsets)
+    parent_row = np.append(parents, -1)
     end_of_segment = q_offsets[segment_subtree_ends(parents)]
     subtree_end = np.repeat(end_of_segment, seg_len)
     return TreeLayout(
@@ -109,7 +138,7 @@ def build_tree_layout(
         max_q=int(seg_len.max(initial=0)),
         max_k=int(np.diff(kv_offsets).max(initial=0)),
         is_flat=bool((parents < 0).all()),
-        host_offsets=torch.from_numpy(np.stack([q_offsets, kv_offsets])),
+        host_offsets=torch.from_numpy(np.stack([q_offsets, kv_offsets, parent_row])),
     )
 
 
@@ -122,7 +151,7 @@ def layout_from_tensors(
 ) -> TreeLayout:
     """The layout whose tensors these are (the host fields recomputed from `host_offsets`): what the tree
     attention custom op sees of a `TreeLayout`, since a custom op takes tensors only."""
-    seg_len, path_len = np.diff(host_offsets.numpy(), axis=1)
+    seg_len, path_len = np.diff(host_offsets[:2].numpy(), axis=1)
     return TreeLayout(
         num_tokens=int(host_offsets[0, -1]),
         q_offsets=q_offsets,

@@ -21,6 +21,7 @@ import torch
 from agrpo_packing import PackedRow
 
 from ._attention_backend import AttentionBackend
+from ._attention_needs import AttentionNeeds
 from ._attention_op import tree_attention_op
 from ._backends import resolve_backend
 from ._deltanet_plan import DeltaNetPlan, build_deltanet_plan
@@ -48,21 +49,37 @@ class TreePlan:
     def backend_name(self) -> str:
         return self.backend.name
 
-    def attend(self, query, key, value, *, scaling: float | None = None, softcap: float | None = None):
-        """Tree attention of one layer: query (1, Hq, N, D), key/value (1, Hkv, N, D) -> (1, N, Hq, D)."""
+    def attend(
+        self,
+        query,
+        key,
+        value,
+        *,
+        scaling: float | None = None,
+        softcap: float | None = None,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
+    ):
+        """Tree attention of one layer: query (1, Hq, N, D), key/value (1, Hkv, N, D) -> (1, N, Hq, D). `window`: keep
+        the last `window` tokens of each query's path (a sliding-window layer); `sinks` (Hq,): learned sink logits."""
         check_input_dtypes(self.backend, query, key, value)
         scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+        window = window or None
         compiling = torch.compiler.is_compiling()
         if compiling and self.backend.under_compile == "custom_op":
             return tree_attention_op(
-                self.backend.name, query, key, value, self.layout, scaling=scaling, softcap=softcap
-            )
+                self.backend.name, query, key, value, self.layout, scaling=scaling, softcap=softcap, window=window,
+                sinks=sinks,
+            )  # fmt: skip
         attend = _behind_graph_break if compiling and self.backend.under_compile == "eager" else _attend
-        return attend(self.backend, query, key, value, self.layout, self.attention_state, scaling, softcap)
+        state = self.attention_state
+        return attend(self.backend, query, key, value, self.layout, state, scaling, softcap, window, sinks)
 
 
-def _attend(backend, query, key, value, layout, state, scaling, softcap):
-    return backend.attend(query, key, value, layout, state, scaling=scaling, softcap=softcap)
+def _attend(backend, query, key, value, layout, state, scaling, softcap, window, sinks):
+    return backend.attend(
+        query, key, value, layout, state, scaling=scaling, softcap=softcap, window=window, sinks=sinks
+    )
 
 
 _behind_graph_break = torch.compiler.disable(_attend)
@@ -85,7 +102,9 @@ def check_input_dtypes(backend: AttentionBackend, query, key, value) -> None:
     )
 
 
-def _plan(row, backend, device, conv_kernel_size, deltanet_kernel, non_blocking=False) -> TreePlan:
+def _plan(
+    row, backend, device, conv_kernel_size, deltanet_kernel, non_blocking=False, windows=(), sinks=False
+) -> TreePlan:
     layout = build_tree_layout(row, device, non_blocking=non_blocking)
     deltanet = (
         None
@@ -95,7 +114,7 @@ def _plan(row, backend, device, conv_kernel_size, deltanet_kernel, non_blocking=
     return TreePlan(
         layout=layout,
         backend=backend,
-        attention_state=backend.prepare(layout),
+        attention_state=backend.prepare(layout, windows=windows, sinks=sinks),
         deltanet=deltanet,
         deltanet_kernel=deltanet_kernel,
     )
@@ -108,19 +127,21 @@ def build_tree_plan(
     backend: str = "auto",
     device: torch.device | str | None = None,
     non_blocking: bool = False,
+    windows: tuple[int, ...] = (),
 ) -> TreePlan:
     """The plan of `packed_row` (host tensors). With `model` (after `enable_tree_attention(model)`), the
     model's backend, device and layers decide everything and `backend`/`device` must be left out. Without a
     model the plan covers attention only (for kernel tests and benchmarks): `backend` by name, `device`
-    default CPU. `non_blocking`: copy through pinned memory without waiting for the device's queued work
-    (the plan is then only valid for work queued after it on the same stream)."""
+    default CPU, `windows` the sliding windows to prepare. `non_blocking`: copy through pinned memory without
+    waiting for the device's queued work (the plan is then only valid for work queued after it on the same
+    stream)."""
     if model is None:
         device = torch.device("cpu" if device is None else device)
-        backend_object = resolve_backend(backend, device, needs_softcap=False)
-        return _plan(packed_row, backend_object, device, None, None, non_blocking)
-    if backend != "auto" or device is not None:
+        backend_object = resolve_backend(backend, device, needs=AttentionNeeds(windows=tuple(windows)))
+        return _plan(packed_row, backend_object, device, None, None, non_blocking, tuple(windows))
+    if backend != "auto" or device is not None or windows:
         raise ValueError(
-            "build_tree_plan(row, model) takes backend and device from the model; "
+            "build_tree_plan(row, model) takes backend, device and windows from the model; "
             "choose them in enable_tree_attention(model, backend=...) and model.to(device)"
         )
     settings = tree_settings(model)
@@ -131,4 +152,6 @@ def build_tree_plan(
         settings.conv_kernel_size,
         settings.deltanet_kernel,
         non_blocking,
+        settings.needs.windows,
+        settings.needs.sinks,
     )

@@ -2,7 +2,9 @@
 
 Owns nothing itself: it is the public face of `_tiny_tokenizer.py` (byte-level BPE, a tool-calling
 ChatML template and a history-rewriting variant, a `response_template`) and `_tiny_model.py` (Qwen3
-dense, Qwen3.5 and Qwen3-Next Gated DeltaNet hybrids, Qwen3-MoE; OLMoE and Mixtral for routing replay). These are
+dense, Qwen3.5 and Qwen3-Next Gated DeltaNet hybrids, Qwen3-MoE; OLMoE and Mixtral for routing replay; gpt-oss
+(learned sinks), Gemma 2 (softcapping), Gemma 3 (text, and with a tiny SigLIP vision tower) and Mistral for
+sliding windows, `TinyModelSpec.sliding_window` wide). These are
 exactly the model families tree attention runs, built from the torch + transformers this package already needs,
 which is why they live here: agrpo-packing has no transformers and agrpo-rollout no torch. Tests, README examples, the demo and
 benchmarks of every agrpo package use them; nothing touches the network.
@@ -56,7 +58,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--kind",
         default="qwen3",
-        choices=["qwen3", "hybrid", "qwen3_next", "moe", "olmoe", "mixtral", "qwen3_next_moe"],
+        choices=[
+            *("qwen3", "hybrid", "qwen3_next", "moe", "olmoe", "mixtral", "qwen3_next_moe"),
+            *("gpt_oss", "gemma2", "gemma3", "gemma3_vlm", "mistral"),
+        ],
     )
     parser.add_argument("--template", default="tools", choices=sorted(TEMPLATES))
     parser.add_argument("--vocab-size", type=int, default=512)

@@ -12,10 +12,12 @@ The count, per row of N forwarded tokens and M loss terms (the trainer's FLOPs, 
                          experts counts its experts' parameters times top-k / experts, the share a token uses)
   + 6 * V * d * M        the LM head, which agrpo-attention applies only at the M positions that predict a
                          loss term (V * d: the head's parameters)
-  + 12 * L * h * A       softmax attention: QK^T and AV, 2 FLOPs per multiply-add, x3 for the backward,
-                         over A attended (query, key) pairs; in a prefix tree a token at depth p attends to
-                         its p + 1 ancestors, so A = sum(position_ids + 1). L: softmax-attention layers (the
-                         linear-attention layers of a hybrid count through P only), h: heads x head_dim.
+  + 12 * h * sum_l A_l   softmax attention: QK^T and AV, 2 FLOPs per multiply-add, x3 for the backward,
+                         over A_l attended (query, key) pairs of layer l; in a prefix tree a token at depth p
+                         attends to its p + 1 ancestors, so A = sum(position_ids + 1), and in a layer with a
+                         sliding window W to min(p + 1, W) of them (Gemma 2/3, gpt-oss, Mistral). l runs over
+                         the softmax-attention layers (the linear-attention layers of a hybrid count through P
+                         only), h: heads x head_dim.
 
 Packing lowers N and A for the same samples, so MFU falls when packing improves (the reference says so:
 judge throughput by trained tokens per second). Does not know timing or logging.
@@ -92,7 +94,8 @@ class ModelFlops:
 
     body_params: int
     head_params: int
-    attention_layers: int
+    attention_windows: tuple[int | None, ...]
+    """The sliding window of each softmax-attention layer, None for a layer that sees its whole path."""
     attention_width: int
     """heads x head_dim of the queries."""
 
@@ -113,23 +116,37 @@ class ModelFlops:
         )
         heads = int(config.num_attention_heads)
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
         return cls(
             body_params=int(body),
             head_params=int(head_weight.numel()) if head_weight is not None else 0,
-            attention_layers=sum("attention" in t and "linear" not in t for t in layer_types),
+            attention_windows=_attention_windows(config),
             attention_width=heads * head_dim,
         )
 
     def row_flops(self, row: PackedRow) -> float:
         """FLOPs of one forward+backward of `row`."""
         tokens = row.num_tokens
-        attended = float(row.position_ids.sum().item()) + tokens
+        seen = row.position_ids.to(torch.int64) + 1  # keys each token's query attends without a window
+        attended = {w: float((seen if w is None else seen.clamp(max=w)).sum()) for w in set(self.attention_windows)}
         return (
             6.0 * self.body_params * tokens
             + 6.0 * self.head_params * row.num_loss_terms
-            + 12.0 * self.attention_layers * self.attention_width * attended
+            + 12.0 * self.attention_width * sum(attended[w] for w in self.attention_windows)
         )
+
+
+def _attention_windows(config) -> tuple[int | None, ...]:
+    """The window of each softmax-attention layer: `sliding_window` on "sliding_attention" layers; a config
+    without `layer_types` (Mistral) windows every layer when it sets `sliding_window`."""
+    window = getattr(config, "sliding_window", None) or None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        return (window,) * config.num_hidden_layers
+    return tuple(
+        window if kind == "sliding_attention" else None
+        for kind in layer_types
+        if "attention" in kind and "linear" not in kind
+    )
 
 
 def flop_counting(policy: torch.nn.Module, args: Any) -> tuple[ModelFlops, float | None]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .._attention_backend import AttentionBackend
+from .._attention_needs import NO_NEEDS, AttentionNeeds
 from .._exceptions import BackendUnavailableError, UnsupportedModelError
 from .adaptive import AdaptiveBackend
 from .aiter import AiterBackend
@@ -63,17 +64,21 @@ def runs_dtype(backend: AttentionBackend, dtype: torch.dtype | None) -> bool:
 
 
 def resolve_backend(
-    name: str, device: torch.device | str, *, needs_softcap: bool, dtype: torch.dtype | None = None
+    name: str,
+    device: torch.device | str,
+    *,
+    needs: AttentionNeeds = NO_NEEDS,
+    dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
     """The backend called `name` ("auto" picks the first available of `AUTO_ORDER` that runs `dtype`, the
-    model's parameter dtype), checked for `device`."""
+    model's parameter dtype, and every window, sink and softcap the model `needs`), checked for `device`."""
     device = torch.device(device)
     if name == "auto":
         for candidate in AUTO_ORDER.get(device.type, ("reference",)):
             backend = BACKENDS[candidate]
             if (
                 backend.unavailable_reason(device) is None
-                and (backend.supports_softcap or not needs_softcap)
+                and needs.unmet_by(backend) is None
                 and runs_dtype(backend, dtype)
             ):
                 return backend
@@ -84,11 +89,11 @@ def resolve_backend(
             f"backend={name!r} is unknown; expected 'auto' or one of {sorted(BACKENDS)}"
         )
     backend = BACKENDS[name]
-    if needs_softcap and not backend.supports_softcap:
-        with_softcap = sorted(n for n, b in BACKENDS.items() if b.supports_softcap)
+    if (unmet := needs.unmet_by(backend)) is not None:
+        able = sorted(n for n, b in BACKENDS.items() if needs.unmet_by(b) is None)
         raise UnsupportedModelError(
-            f"backend={name!r} has no attention logit softcapping, which this model uses "
-            f"(config.attn_logit_softcapping); use one of {with_softcap}"
+            f"backend={name!r} cannot run this model: {unmet}, which {name!r} does not implement; "
+            f"use one of {able}"
         )
     if (reason := backend.unavailable_reason(device)) is not None:
         raise BackendUnavailableError(f"backend={name!r} cannot run here: {reason}")

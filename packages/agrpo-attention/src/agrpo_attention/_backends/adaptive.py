@@ -9,7 +9,9 @@ in `prepare`, so every layer of a forward runs the same kernel. One exception, b
 cannot know (autocast is decided at forward time): q/k/v that varlen's flash kernel refuses (float32: a
 float32 model without autocast) run through flex, which matched the per-sample truth in float32 on the
 H200; its block mask is then built once per forward, on the first layer. So `adaptive` runs any floating
-dtype and is what `auto` picks on CUDA for float32 models too. Does not know the kernels themselves.
+dtype and is what `auto` picks on CUDA for float32 models too. Sliding windows run on either kernel; a model
+with attention sinks (which varlen cannot take) runs every row through flex. Does not know the kernels
+themselves.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class AdaptiveState:
     """The backend `choose` picked for the row."""
     inner: object
     """What that backend's `prepare` returned."""
+    windows: tuple[int, ...] = ()
+    """The model's sliding windows (flex builds a block mask per window when it takes over a varlen row)."""
     flex_mask: object = None
     """flex's block mask of the row, built on first need when `backend` is varlen; None until then."""
 
@@ -48,6 +52,8 @@ class AdaptiveBackend:
 
     name = "adaptive"
     supports_softcap = False
+    supports_window = True
+    supports_sinks = True
     input_dtypes = None
     forward_only_on = FlexBackend.forward_only_on
     under_compile = "trace"  # the row's choice is a guarded object: one graph per chosen backend
@@ -62,15 +68,31 @@ class AdaptiveBackend:
         """The backend this row runs with."""
         return self._flex if path_ratio(layout) >= FLEX_FROM_PATH_RATIO else self._varlen
 
-    def prepare(self, layout: TreeLayout) -> AdaptiveState:
-        backend = self.choose(layout)
-        return AdaptiveState(backend=backend, inner=backend.prepare(layout))
+    def prepare(self, layout: TreeLayout, *, windows=(), sinks=False) -> AdaptiveState:
+        backend = self._flex if sinks else self.choose(layout)
+        return AdaptiveState(backend=backend, inner=backend.prepare(layout, windows=windows), windows=windows)
 
-    def attend(self, query, key, value, layout: TreeLayout, state: AdaptiveState, *, scaling, softcap):
+    def attend(
+        self,
+        query,
+        key,
+        value,
+        layout: TreeLayout,
+        state: AdaptiveState,
+        *,
+        scaling,
+        softcap,
+        window=None,
+        sinks=None,
+    ):
         backend, inner = state.backend, state.inner
         half_only = self._varlen.input_dtypes or ()
-        if backend is self._varlen and any(x.dtype not in half_only for x in (query, key, value)):
+        if backend is self._varlen and (
+            sinks is not None or any(x.dtype not in half_only for x in (query, key, value))
+        ):
             if state.flex_mask is None:
-                state.flex_mask = self._flex.prepare(layout)
+                state.flex_mask = self._flex.prepare(layout, windows=state.windows)
             backend, inner = self._flex, state.flex_mask
-        return backend.attend(query, key, value, layout, inner, scaling=scaling, softcap=softcap)
+        return backend.attend(
+            query, key, value, layout, inner, scaling=scaling, softcap=softcap, window=window, sinks=sinks
+        )

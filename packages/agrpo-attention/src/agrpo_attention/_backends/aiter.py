@@ -28,7 +28,7 @@ class AiterBackend(GatheredPathBackend):
             return "aiter is not installed: pip install amd-aiter (ROCm)"
         return None
 
-    def _kernel(self, q, k, v, layout: TreeLayout, *, scaling, softcap):
+    def _kernel(self, q, k, v, layout: TreeLayout, *, scaling, softcap, window=None):
         import aiter
 
         out = aiter.flash_attn_varlen_func(

@@ -14,7 +14,9 @@ gradients of the whole softmax, so nothing is recomputed twice. Queries of the c
 the ancestor segments themselves, each listed once.
 Kernels: `torch.ops.aten._flash_attention_forward/backward` (FA2 shipped with CUDA torch) for fp16/bf16
 on CUDA, and a plain PyTorch twin (any device/dtype) that tests use to check the decomposition.
-No softcap (a merged softcapped softmax needs the kernel's support). Does not know transformers.
+No softcap (a merged softcapped softmax needs the kernel's support), no sliding window (a cross block attends
+whole ancestor segments from queries of several depths, which no single kernel window describes) and no sinks
+(untested on a GPU here): `enable_tree_attention` refuses models that use them. Does not know transformers.
 
 Legend: N = packed tokens, C = cross-block queries, K = cross-block keys, H = heads, D = head dim.
 """
@@ -27,6 +29,7 @@ import numpy as np
 import torch
 
 from .._tree_layout import TreeLayout
+from .path_gather import refuse_unsupported
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -283,6 +286,8 @@ class CascadeBackend:
 
     name = "cascade"
     supports_softcap = False
+    supports_window = False
+    supports_sinks = False
     input_dtypes = None  # FA2 for fp16/bf16, the plain PyTorch twin for float32
     forward_only_on = ()
     under_compile = "trace"  # its custom ops are opaque to dynamo: no graph break
@@ -292,8 +297,11 @@ class CascadeBackend:
             return f"cascade runs torch's flash-attention kernels (NVIDIA CUDA), the model is on {device}"
         return None
 
-    def prepare(self, layout: TreeLayout) -> object:
+    def prepare(self, layout: TreeLayout, *, windows=(), sinks=False) -> object:
         return build_cascade_state(layout)
 
-    def attend(self, query, key, value, layout: TreeLayout, state, *, scaling, softcap):
+    def attend(
+        self, query, key, value, layout: TreeLayout, state, *, scaling, softcap, window=None, sinks=None
+    ):
+        refuse_unsupported(self, window, sinks)
         return cascade_attention(query, key, value, layout, state, scaling=scaling)

@@ -47,5 +47,5 @@ class FA3Backend(GatheredPathBackend):
             return "FA3 is not installed: install flash-attn's hopper build or the `kernels` package"
         return None
 
-    def _kernel(self, q, k, v, layout: TreeLayout, *, scaling, softcap):
+    def _kernel(self, q, k, v, layout: TreeLayout, *, scaling, softcap, window=None):
         return flash_varlen(_fa3_varlen(), q, k, v, layout, scaling=scaling, softcap=softcap)

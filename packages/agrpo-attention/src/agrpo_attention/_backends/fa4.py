@@ -34,7 +34,7 @@ class FA4Backend(GatheredPathBackend):
             return "FA4 is not installed: pip install flash-attn-4"
         return None
 
-    def _kernel(self, q, k, v, layout: TreeLayout, *, scaling, softcap):
+    def _kernel(self, q, k, v, layout: TreeLayout, *, scaling, softcap, window=None):
         from flash_attn.cute import flash_attn_varlen_func
 
         return flash_varlen(flash_attn_varlen_func, q, k, v, layout, scaling=scaling, softcap=softcap)

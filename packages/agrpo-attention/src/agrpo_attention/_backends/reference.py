@@ -3,7 +3,10 @@
 
 Owns the definition every fast backend is tested against (in fp32 also under autocast). It reads the
 packing contract literally: segment s's queries attend to `kv_index[kv_offsets[s]:kv_offsets[s+1]]`,
-causal aligned bottom-right.
+causal aligned bottom-right. A sliding window W keeps the last W keys of that path (path index = depth =
+position id, so a query at depth q sees depths q - W < p <= q, transformers' and vLLM's definition);
+attention sinks (gpt-oss: one learned logit per query head) join each softmax as an extra column that
+carries no value.
 Runs on any device; costs one Python iteration per segment per layer and materialises each
 segment's (Lq, Lk) score matrix, so it is for CPU training of small models and for tests. Does not
 know the depth-first interval trick the flex backend uses (so the two check each other).
@@ -26,6 +29,8 @@ class ReferenceBackend:
 
     name = "reference"
     supports_softcap = True
+    supports_window = True
+    supports_sinks = True
     input_dtypes = None
     forward_only_on = ()
     under_compile = "custom_op"
@@ -33,14 +38,16 @@ class ReferenceBackend:
     def unavailable_reason(self, device: torch.device) -> str | None:
         return None
 
-    def prepare(self, layout: TreeLayout) -> object:
+    def prepare(self, layout: TreeLayout, *, windows=(), sinks=False) -> object:
         return None
 
-    def attend(self, query, key, value, layout: TreeLayout, state, *, scaling, softcap):
+    def attend(
+        self, query, key, value, layout: TreeLayout, state, *, scaling, softcap, window=None, sinks=None
+    ):
         with torch.autocast(query.device.type, enabled=False):  # fp32 math even under autocast
-            return self._attend(query, key, value, layout, scaling=scaling, softcap=softcap)
+            return self._attend(query, key, value, layout, scaling, softcap, window, sinks)
 
-    def _attend(self, query, key, value, layout: TreeLayout, *, scaling, softcap):
+    def _attend(self, query, key, value, layout: TreeLayout, scaling, softcap, window, sinks):
         q, k, v = query[0], key[0], value[0]  # (H, N, D)
         groups = q.shape[0] // k.shape[0]
         compute = torch.promote_types(query.dtype, torch.float32)
@@ -53,25 +60,26 @@ class ReferenceBackend:
             scores = q[:, q_off[s] : q_off[s + 1]].to(compute) @ k_s.transpose(1, 2) * scaling
             if softcap:
                 scores = softcap * torch.tanh(scores / softcap)
-            num_q, num_k = scores.shape[-2:]
-            rows = torch.arange(num_q, device=q.device)[:, None] + (num_k - num_q)
-            visible = torch.arange(num_k, device=q.device)[None, :] <= rows
-            scores = scores.masked_fill(~visible, float("-inf"))
-            outputs.append(torch.softmax(scores, dim=-1) @ v_s)
+            scores = scores.masked_fill(~_visible(*scores.shape[-2:], window, q.device), float("-inf"))
+            outputs.append(_softmax(scores, sinks) @ v_s)
         out = torch.cat(outputs, dim=1).to(query.dtype)  # (Hq, N, D)
         return out.transpose(0, 1).unsqueeze(0)
 
-    def attend_backward(self, grad, query, key, value, layout: TreeLayout, state, *, scaling, softcap):
-        """grad (1, N, Hq, D) of `attend`'s output -> (d query, d key, d value), shaped and typed as the inputs."""
+    def attend_backward(
+        self, grad, query, key, value, layout: TreeLayout, state, *, scaling, softcap, window=None, sinks=None
+    ):
+        """grad (1, N, Hq, D) of `attend`'s output -> (d query, d key, d value, d sinks), shaped and typed as the
+        inputs (d sinks None without sinks)."""
         with torch.autocast(query.device.type, enabled=False):
-            return self._backward(grad, query, key, value, layout, scaling=scaling, softcap=softcap)
+            return self._backward(grad, query, key, value, layout, scaling, softcap, window, sinks)
 
-    def _backward(self, grad, query, key, value, layout: TreeLayout, *, scaling, softcap):
+    def _backward(self, grad, query, key, value, layout: TreeLayout, scaling, softcap, window, sinks):
         q, k, v, do = query[0], key[0], value[0], grad[0].transpose(0, 1)  # (H, N, D)
         heads_kv, groups = k.shape[0], q.shape[0] // k.shape[0]
         compute = torch.promote_types(query.dtype, torch.float32)
         dq = torch.zeros_like(q, dtype=compute)
         dk, dv = torch.zeros_like(k, dtype=compute), torch.zeros_like(v, dtype=compute)
+        d_sinks = None if sinks is None else torch.zeros(q.shape[0], dtype=compute, device=q.device)
         q_off, kv_off = layout.q_offsets_host, layout.kv_offsets_host
         for s in range(layout.num_segments):
             path, rows = layout.kv_index[kv_off[s] : kv_off[s + 1]], slice(q_off[s], q_off[s + 1])
@@ -81,12 +89,17 @@ class ReferenceBackend:
             raw = q_s @ k_s.transpose(1, 2) * scaling
             capped = softcap * torch.tanh(raw / softcap) if softcap else raw
             num_q, num_k = raw.shape[-2:]
-            visible = torch.arange(num_k, device=q.device)[None, :] <= (
-                torch.arange(num_q, device=q.device)[:, None] + (num_k - num_q)
+            probs = _softmax(
+                capped.masked_fill(~_visible(num_q, num_k, window, q.device), float("-inf")), sinks
             )
-            probs = torch.softmax(capped.masked_fill(~visible, float("-inf")), dim=-1)
             d_probs = do_s @ v_s.transpose(1, 2)
-            d_scores = probs * (d_probs - (d_probs * probs).sum(-1, keepdim=True))
+            # The sink's column has no value, so its d_prob is 0 and the softmax backward's sum runs over keys only.
+            weighted = (d_probs * probs).sum(-1, keepdim=True)  # = do . out per query
+            d_scores = probs * (d_probs - weighted)
+            if (
+                sinks is not None
+            ):  # d sink = p_sink * (0 - do . out), p_sink = 1 - sum of the keys' probabilities
+                d_sinks -= ((1 - probs.sum(-1, keepdim=True)) * weighted).sum((1, 2))
             if softcap:
                 d_scores = d_scores * (1 - (capped / softcap) ** 2)
             dq[:, rows] = d_scores @ k_s * scaling
@@ -94,4 +107,21 @@ class ReferenceBackend:
             dv_s = (probs.transpose(1, 2) @ do_s).view(heads_kv, groups, num_k, -1).sum(1)
             dk.index_add_(1, path, dk_s)
             dv.index_add_(1, path, dv_s)
-        return dq.to(query.dtype)[None], dk.to(key.dtype)[None], dv.to(value.dtype)[None]
+        grads = dq.to(query.dtype)[None], dk.to(key.dtype)[None], dv.to(value.dtype)[None]
+        return *grads, None if sinks is None else d_sinks.to(sinks.dtype)
+
+
+def _visible(num_q: int, num_k: int, window: int | None, device) -> torch.Tensor:
+    """(num_q, num_k) bool: causal bottom-right on the path, and within the last `window` keys when windowed."""
+    rows = torch.arange(num_q, device=device)[:, None] + (num_k - num_q)
+    cols = torch.arange(num_k, device=device)[None, :]
+    visible = cols <= rows
+    return visible & (cols > rows - window) if window else visible
+
+
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the keys (H, q, k); with sinks (H,), each head's sink logit joins the normalisation."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sinks.to(scores.dtype)[:, None, None].expand(-1, scores.shape[1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
