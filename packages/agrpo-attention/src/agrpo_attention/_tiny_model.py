@@ -240,7 +240,8 @@ GEMMA2_SOFTCAPS = {"attn_logit_softcapping": 10.0, "final_logit_softcapping": 30
 dropping either moves them by about 0.4 nats."""
 
 
-def _gemma_shape(spec: TinyModelSpec, special_ids: dict[str, int]) -> dict:
+def _windowed_shape(spec: TinyModelSpec, special_ids: dict[str, int]) -> dict:
+    """Fields the windowed kinds' configs share (Gemma 2/3, Mistral)."""
     return dict(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
@@ -264,7 +265,7 @@ def _gemma2_config(spec: TinyModelSpec, special_ids: dict[str, int]):
         query_pre_attn_scalar=2 * spec.head_dim,  # scaling (2 head_dim)^-1/2, not head_dim^-1/2
         **GEMMA2_SOFTCAPS,
         initializer_range=GEMMA2_INIT,
-        **_gemma_shape(spec, special_ids),
+        **_windowed_shape(spec, special_ids),
     )
 
 
@@ -282,7 +283,7 @@ def _gemma3_text_config(spec: TinyModelSpec, special_ids: dict[str, int]):
             for layer_type, theta in GEMMA3_ROPE_THETA.items()
         },
         query_pre_attn_scalar=spec.head_dim,
-        **_gemma_shape(spec, special_ids),
+        **_windowed_shape(spec, special_ids),
     )
 
 
@@ -315,19 +316,7 @@ def _gemma3_vlm_config(spec: TinyModelSpec, special_ids: dict[str, int]):
 def _mistral_config(spec: TinyModelSpec, special_ids: dict[str, int]):
     from transformers import MistralConfig
 
-    return MistralConfig(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
-        sliding_window=spec.sliding_window,
-        max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=spec.tie_word_embeddings,
-        **special_ids,
-    )
+    return MistralConfig(**_windowed_shape(spec, special_ids))
 
 
 _BUILDERS = {
