@@ -123,6 +123,34 @@ def test_gpu_backends_trace_without_graph_breaks_into_one_graph_per_kind_of_row(
         assert any("flex_attention" in k for k in kernels), kernels
 
 
+@pytest.mark.parametrize("name", ["flex", "adaptive"])
+def test_windowed_layers_with_sinks_trace_without_graph_breaks_into_one_graph(trees, monkeypatch, name):
+    """gpt-oss's layers under compile: a sliding window (its own block mask) and sinks (through flex's log-sum-exp)
+    trace whole, and rows of every size reuse one graph (adaptive sends rows with sinks to flex)."""
+    counter = _GraphCounter()
+    sinks = torch.randn(4)
+    attend = torch.compile(
+        lambda q, k, v, plan: plan.attend(q, k, v, scaling=0.25, window=48, sinks=sinks),
+        backend=counter,
+        fullgraph=True,
+        dynamic=True,
+    )
+    from agrpo_attention._backends.varlen import VarlenBackend
+
+    monkeypatch.setattr(VarlenBackend, "unavailable_reason", lambda self, device: None)
+    backend = BACKENDS[name]
+    for seed in range(6):
+        row = trees.random_row(seed, share=seed % 3 != 0, vocab=512, prompts=4)
+        plan = build_tree_plan(row, backend="reference")
+        state = backend.prepare(plan.layout, windows=(48,), sinks=True)
+        plan = dataclasses.replace(plan, backend=backend, attention_state=state)
+        with pytest.raises(_Traced):
+            attend(*_qkv(row.num_tokens, seed=0, dtype=torch.bfloat16, grad=False), plan)
+    assert len(counter.graphs) == 1
+    kernels = {str(n.target) for g in counter.graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert any("flex_attention" in k for k in kernels) and not any("varlen" in k for k in kernels), kernels
+
+
 def test_what_a_compiled_layer_is_handed_of_a_row_holds_no_python_sequence():
     """A compiled decoder layer receives the tree plan; dynamo guards a tuple or list field of it on its length
     (torch 2.11 did so for the layout's host offsets: a new graph for every segment count). Row-sized host

@@ -92,6 +92,32 @@ def test_routed_experts_stay_on_a_cpu_server_frozen_and_are_refused_trainable():
     assert kept_on_cpu_server(build_model(TinyModelSpec(), build_tokenizer()), cpu, "full") == frozenset()
 
 
+def test_gpt_oss_experts_and_sinks_stay_on_a_cpu_server_frozen_and_are_refused_trainable():
+    """gpt-oss's loader copies its routed experts (router `router`, not `gate`) and attention sinks into the
+    parameters without a weight loader, so vLLM 0.32's in-place reload on a CPU server keeps their start-up values
+    (measured): frozen ones are left out of the sync, trainable ones refused naming the fix."""
+    model = build_model(
+        TinyModelSpec(kind="gpt_oss", num_layers=2, tie_word_embeddings=False), build_tokenizer()
+    )
+    cpu = [_info(device="cpu")]
+    with pytest.raises(
+        SyncSetupError, match=r"experts and attention sinks would be sent.*sinks.requires_grad_"
+    ):
+        kept_on_cpu_server(model, cpu, "full")
+    for layer in model.model.layers:
+        layer.mlp.experts.requires_grad_(False)
+    with pytest.raises(SyncSetupError, match=r"would be sent \(model.layers.0.self_attn.sinks"):
+        kept_on_cpu_server(model, cpu, "full")
+    for layer in model.model.layers:
+        layer.self_attn.sinks.requires_grad_(False)
+    kept = kept_on_cpu_server(model, cpu, "full")
+    assert kept == {n for n, _ in model.named_parameters() if ".mlp.experts." in n or n.endswith(".sinks")}
+    assert len(kept) == 2 * (4 + 1)  # per layer: gate_up_proj, down_proj and their biases; sinks
+    sent = {e.meta.name for e in plain_entries(model, None, (), kept)}
+    assert not sent & kept and {"model.layers.0.mlp.router.weight", "lm_head.weight"} <= sent
+    assert kept_on_cpu_server(model, [_info(device="cuda")], "full") == frozenset()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

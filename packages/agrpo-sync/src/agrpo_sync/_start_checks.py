@@ -9,8 +9,10 @@ at load and its in-place reload never re-processes it, so embedding updates reac
 GPU servers have no such copy), and routed MoE experts on a CPU server (`kept_on_cpu_server`: vLLM 0.32's CPU
 backend packs them into its grouped-GEMM layout at load, and its in-place reload copies plain weights over the
 packed ones without packing them, so the server computes garbage after any reload that includes them, even of
-unchanged values; frozen experts are left out of every sync, trainable ones are refused naming the fix, and so is
-LoRA: merged weights carry every expert, and adapters crash the CPU engine's MoE layers). With
+unchanged values; gpt-oss's routed experts and attention sinks, which its loader copies into the parameters
+without a weight loader, keep their start-up values through the reload; frozen ones are left out of every sync,
+trainable ones are refused naming the fix, and so is LoRA: merged weights carry every expert, and adapters crash
+the CPU engine's MoE layers). With
 several servers every one is checked, and they must all take the
 same backend (under `lora_sync="auto"`, one that cannot serve adapters makes all of them take merged
 weights). Does not know how anything is sent.
@@ -97,42 +99,53 @@ def check_full_sync(
 
 def routed_expert_names(model: torch.nn.Module) -> list[tuple[str, bool]]:
     """(name, requires_grad) of every parameter of a routed expert bank: the `experts` of a module that also has
-    a router `gate` (transformers' MoE blocks; a shared expert is a plain MLP and is not listed)."""
+    a router, `gate` in most of transformers' MoE blocks and `router` in gpt-oss's (a shared expert is a plain
+    MLP and is not listed)."""
     banks = [
         f"{n}.experts." if n else "experts."
         for n, m in model.named_modules()
-        if hasattr(m, "experts") and hasattr(m, "gate")
+        if hasattr(m, "experts") and (hasattr(m, "gate") or hasattr(m, "router"))
     ]
     return [(n, p.requires_grad) for n, p in model.named_parameters() if any(b in n for b in banks)]
 
 
+def attention_sink_names(model: torch.nn.Module) -> list[tuple[str, bool]]:
+    """(name, requires_grad) of every learned attention sink (gpt-oss's `self_attn.sinks`)."""
+    return [(n, p.requires_grad) for n, p in model.named_parameters() if n.endswith("self_attn.sinks")]
+
+
 def kept_on_cpu_server(model: torch.nn.Module, infos: list[ServerInfo], view: str) -> frozenset[str]:
-    """Names a full-weight sync leaves out because a CPU server must keep its own copy: the routed experts (see
-    the module docstring). Empty without a CPU server or without experts. Raises SyncSetupError when the experts
-    would have to be sent (trainable, or merged LoRA weights) and for adapter sync, which such a server cannot
-    serve."""
+    """Names a full-weight sync leaves out because a CPU server must keep its own copy: the routed experts and
+    attention sinks (see the module docstring). Empty without a CPU server or without either. Raises
+    SyncSetupError when they would have to be sent (trainable, or merged LoRA weights) and for adapter sync of a
+    model with routed experts, which such a server cannot serve."""
     cpu = [info for info in infos if info.device == "cpu"]
-    experts = routed_expert_names(model)
-    if not cpu or not experts:
+    experts, sinks = routed_expert_names(model), attention_sink_names(model)
+    if not cpu or not (experts or sinks):
         return frozenset()
-    if view == "adapter":
+    if view == "adapter" and experts:
         raise SyncSetupError(
             f"LoRA adapters on a CPU server (vLLM {cpu[0].version}) for a model with routed MoE experts: with "
             "--enable-lora its MoE layers run a Triton kernel the CPU build cannot run, and the engine dies at the "
             "first adapter request (measured on Qwen3-Next, an adapter on attention and Gated DeltaNet only). Train "
             "without peft_config (routed experts frozen), or serve from a GPU vLLM server"
         )
-    trained = [n for n, requires_grad in experts if requires_grad]
+    if view == "adapter":
+        return frozenset()  # adapters never carry the base model's sinks
+    trained = [n for n, requires_grad in experts + sinks if requires_grad]
     if trained or has_lora(model):
+        kinds = [(k, m) for k, m, names in (("routed MoE experts", "mlp.experts", experts),
+                                             ("attention sinks", "self_attn.sinks", sinks)) if names]  # fmt: skip
         raise SyncSetupError(
-            f"the server runs on CPU (vLLM {cpu[0].version}) and the model's routed MoE experts would be sent "
-            f"({trained[0] if trained else 'merged LoRA weights'}, ...): its CPU backend packs them at start-up "
-            "and its in-place reload overwrites the packed weights without packing them, after which the server "
-            "computes garbage. Freeze the routed experts (e.g. `for layer in model.model.layers: "
-            "layer.mlp.experts.requires_grad_(False)`; routers and shared experts still train), use adapter-only "
-            "LoRA sync (a server with --enable-lora), or serve from a GPU vLLM server"
+            f"the server runs on CPU (vLLM {cpu[0].version}) and the model's {' and '.join(k for k, _ in kinds)} "
+            f"would be sent ({trained[0] if trained else 'merged LoRA weights'}, ...): its in-place reload cannot "
+            "take them (routed experts that its CPU backend packs at start-up are overwritten without packing, "
+            "after which the server computes garbage; gpt-oss's experts and sinks, which its loader copies without "
+            "a weight loader, keep their start-up values). Freeze them (e.g. `for layer in model.model.layers: "
+            f"{'; '.join(f'layer.{m}.requires_grad_(False)' for _, m in kinds)}`; routers and shared experts still "
+            "train) and train without LoRA, or serve from a GPU vLLM server"
         )
-    return frozenset(n for n, _ in experts)
+    return frozenset(n for n, _ in experts + sinks)
 
 
 def start_sender(
