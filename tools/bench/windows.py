@@ -13,7 +13,11 @@ reference backend). One process, every figure printed as it is measured (and wri
 3. training speed: a Gemma 3-like model (4B widths, 6 layers: 5 sliding + 1 global, window 1,024, vocab 32k),
    fp32 master weights under bf16 autocast as the trainer runs it, token_logprobs + backward, tree rows
    (`enable_tree_attention` "auto") vs plain padding-free rows of the same samples at ratios 1, 3.4 and 8:
-   trained tokens/s of each and their ratio (median of 3 after a warm-up).
+   trained tokens/s of each and their ratio (median of 3 after a warm-up);
+4. (`--families`) the tiny gpt-oss, Gemma 2, Gemma 3 and Mistral models of `agrpo_attention.testing` (window 8,
+   4 layers) in fp32 on the device: packed tree rows through flex and adaptive (with their backward, which
+   FlexAttention has on CUDA only) against each sample alone through the stock model's eager attention:
+   largest log-prob gap and worst parameter-gradient relative error (rule: 2e-5 and 2e-4, as the CPU tests).
 Exits non-zero if a parity check fails. Does not know the trainer.
 """
 
@@ -171,24 +175,75 @@ def training_speed(shape: dict, device: str, layers: int, scale: float, results:
         model.zero_grad(set_to_none=True)
 
 
+def family_parity(device: str, backends: list[str], results: list[dict]) -> bool:
+    import copy
+
+    from agrpo_attention.testing import TinyModelSpec, build_model, build_tokenizer
+    from agrpo_packing import TreeRow
+    from agrpo_packing.testing import GroupShape, assert_packed_logprobs_match, random_grpo_groups
+
+    tokenizer = build_tokenizer()
+    shape = GroupShape(num_prompts=2, rollouts_per_prompt=3, prompt_tokens=(3, 25), completion_tokens=(1, 50),
+                       multi_turn_frac=0.5, tool_tokens=(1, 8), fork_frac=0.7, vocab_size=512)  # fmt: skip
+    tree_row = TreeRow(0)
+    tree_row.extend(random_grpo_groups(shape, seed=1))
+    row = tree_row.pack()
+    weights = torch.randn(row.num_loss_terms, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    passed = True
+    for kind in ("gpt_oss", "gemma2", "gemma3", "mistral"):
+        stock = build_model(TinyModelSpec(kind=kind, num_layers=4, sliding_window=8), tokenizer).to(device)
+        stock.set_attn_implementation("eager")
+
+        def alone(input_ids: torch.Tensor, model=stock) -> torch.Tensor:
+            logits = model(input_ids=input_ids.to(device)[None], use_cache=False).logits[0, :-1].double()
+            return logits.log_softmax(-1).gather(1, input_ids.to(device)[1:, None])[:, 0]
+
+        for backend in backends:
+            stock.zero_grad()
+            tree = copy.deepcopy(stock)
+            enable_tree_attention(tree, backend)
+            packed, reference = assert_packed_logprobs_match(
+                row, lambda r, m=tree: token_logprobs(m, r).double(), alone, atol=1.0, rtol=0
+            )
+            gap = float((packed - reference).abs().max())
+            (packed * weights.to(device)).sum().backward()
+            (reference * weights.to(device)).sum().backward()
+            pairs = zip(tree.named_parameters(), stock.named_parameters(), strict=True)
+            worst = max(_relative(p.grad, q.grad) for (_, p), (_, q) in pairs if q.grad is not None)
+            ok = gap <= 2e-5 and worst <= 2e-4
+            passed &= ok
+            _report(results, {"check": "family", "kind": kind, "backend": backend, "logprob_gap": gap,
+                              "worst_grad_rel": worst, "ok": ok})  # fmt: skip
+    return passed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-dry-run", action="store_true", help="tiny shapes on CPU, reference backend")
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--families", action="store_true", help="only check 4 (tiny windowed families)")
     args = parser.parse_args()
     device, shape, scale = ("cpu", TINY, 1 / 16) if args.cpu_dry_run else ("cuda", GEMMA3_4B, 1.0)
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     print(f"{name}, torch {torch.__version__}", flush=True)
     results: list[dict] = []
     backends = ["reference"] if device == "cpu" else ["flex", "adaptive"]
+    if args.families:
+        passed = family_parity(device, backends, results)
+        _write(args.json, name, results)
+        sys.exit(0 if passed else 1)
     passed = attention_parity(shape, device, backends, scale, results)
     window_savings(shape, device, backends[0], scale, results)
     training_speed(shape, device, 2 if device == "cpu" else args.layers, scale, results)
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump({"device": name, "torch": torch.__version__, "results": results}, out, indent=1)
+    _write(args.json, name, results)
     sys.exit(0 if passed else 1)
+
+
+def _write(path: str | None, device_name: str, results: list[dict]) -> None:
+    if path:
+        with open(path, "w") as out:
+            json.dump({"device": device_name, "torch": torch.__version__, "results": results}, out, indent=1)
 
 
 if __name__ == "__main__":
