@@ -137,6 +137,22 @@ def _fp32_matmuls():
             backend.fp32_precision = value
 
 
+@contextlib.contextmanager
+def unwrapped_forward(model):
+    """`model`'s own forward while inside: a model a Trainer prepared under bf16/fp16 has accelerate's autocast
+    wrapper as its instance `forward` (the class forward kept as `_original_forward`), which would run the fp32
+    reference's layers in bf16 (issue 38). Yields whether a wrapper was bypassed."""
+    wrapped = vars(model).get("forward")
+    if wrapped is None or not hasattr(model, "_original_forward"):
+        yield False
+        return
+    model.forward = model._original_forward
+    try:
+        yield True
+    finally:
+        model.forward = wrapped
+
+
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
@@ -172,13 +188,16 @@ def parity(
     per-sample terms (centered advantages), so bf16 rounding, or the order of atomic adds in one kernel, moves it
     by tens of percent between two eager runs. What compilation must not do is take the step further from the
     exact gradient than eager bf16 does: `grad_err_ratio` (compiled's distance to fp32 over eager's) near 1,
-    `passed` when it is at most `PARITY_SLACK`. In fp32 runs the eager regions are the reference (`FP32_PARITY`)."""
+    `passed` when it is at most `PARITY_SLACK`. In fp32 runs the eager regions are the reference (`FP32_PARITY`).
+    The fp32 pass bypasses accelerate's autocast wrapper on a Trainer's model (`unwrapped_forward`): through it
+    the reference's layers ran in bf16 like eager's, which halved eager's distance and failed compiled
+    (`trainer_run.py`, issue 38)."""
     loss_c, grads_c = _loss_and_grads(model, rows, step_settings, amp=amp)
     regions.uninstall()
     eager = LayerRegions(replace(setup, compile=False, checkpointing=regions.mode).settings()).install(model)
     loss_e, grads_e = _loss_and_grads(model, rows, step_settings, amp=amp)
-    if amp:
-        with _fp32_matmuls():
+    if amp:  # a true fp32 step: no autocast, not even accelerate's around the forward of a Trainer's model
+        with _fp32_matmuls(), unwrapped_forward(model):
             loss_r, grads_r = _loss_and_grads(model, rows, step_settings, amp=False)
     eager.uninstall()
     regions.install(model)
