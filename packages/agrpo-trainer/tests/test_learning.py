@@ -3,7 +3,8 @@ server with disk weight sync. A tiny random model learns to write digits; after 
 the parity probe exactly as the trainer does; `reward` is logged on every optimizer step; a healthy server
 needs no retried request; the main job's own settings raise no warning; train() leaves no process behind
 and writes its report. The same task trains a Gated DeltaNet hybrid (Qwen3-Next's layout) against a bf16 CPU
-server of its own."""
+server of its own, and a tiny Gemma 3 and gpt-oss (sliding windows, learned sinks) against fp32 servers of
+their own."""
 
 from __future__ import annotations
 
@@ -220,10 +221,18 @@ def test_a_gated_deltanet_hybrid_learns_against_the_real_server_and_every_sync_l
 # 0.32's gpt-oss loader copies them without a weight loader, so the CPU server's in-place reload keeps its start-up
 # values (agrpo-sync refuses trainable ones and leaves frozen ones out of every sync).
 WINDOW = 8
-WINDOWED_STEPS = 20
-WINDOWED_LEARNING_RATE = {"gemma3": 2e-2, "gpt_oss": float(os.environ.get("LR", "4e-2"))}
-WINDOWED_MAX_GAP = 1e-3
-"""fp32 on both sides: the parity probe's largest token gap after any sync (seen: TBD)."""
+WINDOWED_STEPS = 24
+"""The reward's rise starts anywhere from step 7 to 15 (seen at this learning rate; at 16 steps one Gemma 3 run of
+three stayed at 0.04). Not many more: by step 24 one run of each sat near its ceiling (0.99; gpt-oss collapsed onto
+one completion at 0.68), where groups without reward spread are dropped and a step takes up to 15 s."""
+WINDOWED_LEARNING_RATE = 3e-2
+"""4e-2 sent one gpt-oss run of four off (the KL to the sampler reached 8, the reward stayed at 0.03)."""
+WINDOWED_MAX_GAP = {"gemma3": 1e-3, "gpt_oss": 0.25}
+"""The largest token gap of the parity probe after any sync, and after the run, fp32 on both sides. Seen: Gemma 3
+up to 3.8e-6; gpt-oss up to 3.6e-4 (typically 1e-5, growing as the policy sharpens). gpt-oss's bound leaves room
+for a router tie that the two sides break differently: it swaps one expert of one token (forced on the start
+weights: 0.006 to 0.11 nats; not seen in about 11 runs). Whether a sync landed is the landed share's test: a sync
+that did not land is off by 0.2 to 3.7 nats on average."""
 
 
 @pytest.fixture(scope="module", params=["gemma3", "gpt_oss"])
@@ -255,20 +264,20 @@ def test_windowed_models_learn_against_the_real_server_and_every_sync_lands(
     `AsyncGRPOTrainer` against an fp32 CPU server: the reward rises, every sync's parity probe finds the server
     on the new weights (largest token gap under WINDOWED_MAX_GAP, and far nearer them than the version before),
     gpt-oss's experts and sinks stay out of every sync and unchanged, and after the run the server scores a
-    fresh continuation as the trained weights do and unlike the start. About TBD s each (server start-up
+    fresh continuation as the trained weights do and unlike the start. About 55 to 85 s each (server start-up
     overlapped)."""
-    kind, windowed_server = windowed_server
-    model_dir = str(windowed_server.model_dir)
+    kind, server = windowed_server
+    model_dir = str(server.model_dir)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        args = demo_config(str(tmp_path / "run"), windowed_server.url, WINDOWED_STEPS)
-        args.learning_rate = WINDOWED_LEARNING_RATE[kind]
+        args = demo_config(str(tmp_path / "run"), server.url, WINDOWED_STEPS)
+        args.learning_rate = WINDOWED_LEARNING_RATE
         policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         frozen = _frozen_on_cpu_server(policy)
         trainer = AsyncGRPOTrainer(policy, CharacterFractionReward(), args=args, train_dataset=PROMPTS)
         witness = ProbeWitness(monkeypatch)
-        windowed_server.wait_healthy()
+        server.wait_healthy()
         trainer.train()
     finally:
         torch.set_num_threads(threads)
@@ -283,24 +292,22 @@ def test_windowed_models_learn_against_the_real_server_and_every_sync_lands(
     assert last > 2 * first and last > first + 0.05, (
         f"mean reward of the first 6 steps {first:.3f}, last 6 {last:.3f}"
     )
-    assert len(shares) == len(gaps) - 1 == WINDOWED_STEPS, "a probe after the first push and every step's"
-    assert max(gaps) < WINDOWED_MAX_GAP, f"the server's log-probs left the trainer's after a sync: {gaps}"
+    assert len(shares) == len(gaps) - 1 == WINDOWED_STEPS, "a probe per push"
+    assert max(gaps) < WINDOWED_MAX_GAP[kind], f"the server left the trainer after a sync: {gaps}"
     assert max(shares) < LANDED_GAP_SHARE, f"a sync did not land: shares {shares}, max gaps {gaps}"
     (last_sent,) = {f for f in (tmp_path / "run").rglob("*.safetensors") if ".vllm_weights" in f.parts}
-    with safe_open(last_sent, "pt") as sent:
-        assert frozen.keys().isdisjoint(sent.keys()) and len(list(sent.keys())) > 0
-    # gpt-oss's experts and sinks: never sent, unchanged
+    with safe_open(last_sent, "pt") as sent:  # gpt-oss's experts and sinks: left out, and unchanged
+        assert set(sent.keys()) == {n for n, _ in policy.named_parameters()} - frozen.keys()
+    # per gpt-oss layer: the experts' 2 weights and 2 biases, the sinks
+    assert len(frozen) == (4 * (4 + 1) if kind == "gpt_oss" else 0), sorted(frozen)
     trained_params = dict(trainer.model.named_parameters())
-    for name, value in frozen.items():
-        assert torch.equal(trained_params[name].detach(), value), name
-    if kind == "gpt_oss":
-        assert len(frozen) == 4 * (4 + 1), sorted(frozen)
+    assert all(torch.equal(trained_params[n].detach(), value) for n, value in frozen.items())
     start = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     stock = copy.deepcopy(start)  # the trained weights in a stock (not tree-enabled) model
     stock.load_state_dict(trainer.model.state_dict())
-    served, trained = _server_and_trainer_logprobs(windowed_server, stock)
-    _, initial = _server_and_trainer_logprobs(windowed_server, start)
+    served, trained = _server_and_trainer_logprobs(server, stock)
+    _, initial = _server_and_trainer_logprobs(server, start)
     gap = max(abs(a - b) for a, b in zip(served, trained, strict=True))
     moved = statistics.mean(abs(a - b) for a, b in zip(served, initial, strict=True))
     print(f"after the run: max |server - trained| {gap:.3g}, mean |server - start| {moved:.3g}")
-    assert gap < WINDOWED_MAX_GAP and moved > 1.0, (gap, moved)
+    assert gap < WINDOWED_MAX_GAP[kind] and moved > 0.5, (gap, moved)  # seen: 1.5e-7 to 5.2e-6; 3.8 to 6.3
