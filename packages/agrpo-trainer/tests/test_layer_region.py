@@ -105,7 +105,9 @@ def test_gated_deltanet_layers_compile_without_a_graph_break_on_the_triton_kerne
     """The CPU seam of compiled hybrid layers on the GPU (`deltanet_region_case.py`, Triton's interpreter running
     agrpo's kernels): with deltanet_kernel "triton" every layer of a Qwen3.5-style hybrid compiles (aot_eager, full
     checkpointing), dynamo breaks no graph over two rows of different sizes, one graph per kind of layer (plus at
-    most one for the other row), and log-probs and gradients equal the eager regions' (fp32)."""
+    most one for the other row), and log-probs and gradients equal the eager regions' (fp32; the Gated DeltaNet gate
+    parameters within 1e-3, whose fp32 gradient cancels catastrophically: 1.2e-4 on one machine, under 5e-5 on
+    another)."""
     run = subprocess.run([sys.executable, "deltanet_region_case.py"], capture_output=True, text=True, timeout=900,
                          cwd=Path(__file__).parent)  # fmt: skip
     assert run.returncode == 0, run.stderr[-4000:]
@@ -116,6 +118,7 @@ def test_gated_deltanet_layers_compile_without_a_graph_break_on_the_triton_kerne
     assert (
         case["logprob_diff"] < 1e-5 and case["grad_rel_diff"] < 1e-4 and case["parameters_with_grad"] > 40
     ), case
+    assert case["gate_grad_rel_diff"] < 1e-3, case  # seen 1.2e-4 on one machine: the gate's fp32 cancellation
 
 
 def test_gated_deltanet_layers_stay_eager_and_attention_layers_compile():
