@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM
 from agrpo_attention.testing import TinyModelSpec, save_tiny_model
 from agrpo_rollout.testing import VLLMServer
 from agrpo_trainer import AsyncGRPOTrainer
-from agrpo_trainer._demo import PROMPTS, demo_config, run_demo
+from agrpo_trainer._demo import PROMPTS, closing_line, demo_config, run_demo
 from agrpo_trainer._parity_probe import ParityProbe
 from agrpo_trainer.rewards import CharacterFractionReward
 
@@ -65,6 +65,8 @@ def test_a_tiny_model_learns_against_the_real_server_and_every_sync_lands(
     assert all(h.get("sample/staleness_max", 0) <= 2 for h in history)
     assert read_curves(tmp_path / "run" / "report.html")["reward"][1] == rewards
     assert {p.pid for p in psutil.Process().children(recursive=True)} == before
+    (runtime,) = [h["train_runtime"] for h in history if "train_runtime" in h]
+    assert closing_line(trainer).startswith(f"trained {STEPS} steps in {runtime:.1f} s:")  # the bar's own time
 
 
 # A Gated DeltaNet hybrid against the real CPU server: Qwen3-Next's layout (fused Gated DeltaNet projections, gated

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import logging
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -65,14 +64,17 @@ def run_demo(server: VLLMServer, model_dir: Path, output_dir: str, max_steps: in
     return trainer
 
 
-def closing_line(trainer: AsyncGRPOTrainer, seconds: float) -> str:
+def closing_line(trainer: AsyncGRPOTrainer) -> str:
+    """The run in one line; its time is the Trainer's own `train_runtime` (the progress bar's closing line says
+    the same), not the wall clock around it, which also holds the server's start-up and shutdown."""
+    runtime = next(h["train_runtime"] for h in reversed(trainer.state.log_history) if "train_runtime" in h)
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     gaps = [
         h["sync/logprob_max_abs_diff"] for h in trainer.state.log_history if "sync/logprob_max_abs_diff" in h
     ]
     head, tail = rewards[:10], rewards[-10:]
     return (
-        f"trained {trainer.state.global_step} steps in {seconds:.0f} s: digit reward {sum(head) / len(head):.3f} "
+        f"trained {trainer.state.global_step} steps in {runtime:.1f} s: digit reward {sum(head) / len(head):.3f} "
         f"(first 10 steps) -> {sum(tail) / len(tail):.3f} (last 10); {len(gaps)} syncs, max |server - trainer| "
         f"log-prob {max(gaps):.1e}\nreport: {Path(trainer.args.output_dir) / REPORT_NAME}"
     )
@@ -90,6 +92,5 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = save_tiny_model(work / "model", TinyModelSpec(tie_word_embeddings=False))
     print(f"tiny Qwen3 in {model_dir}; starting the CPU vLLM server (about a minute)...", flush=True)
     with VLLMServer(model_dir=model_dir, max_model_len=1024).start(wait=False) as server:
-        start = time.monotonic()
         trainer = run_demo(server, model_dir, output_dir, args.max_steps)
-    print(closing_line(trainer, time.monotonic() - start), flush=True)
+    print(closing_line(trainer), flush=True)
