@@ -7,6 +7,7 @@ import sys
 
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 
 from tools.bench.train_step.__main__ import main
 from tools.bench.train_step.regions import unwrapped_forward
@@ -87,7 +88,11 @@ def test_the_parity_reference_bypasses_accelerates_autocast_wrapper():
     twice as close to fp32 as it is and failed the compiled step (issue 38: ratio 1.86 on CPU, 3.77 on an H100;
     0.93 on CPU against a true fp32 step)."""
     model = build_random_model("tiny-dense", 2, "cpu", torch.float32)
-    Accelerator(cpu=True, mixed_precision="bf16").prepare_model(model)  # what the Trainer's amp does
+    AcceleratorState._reset_state(reset_partial_state=True)  # earlier tests of this process set another precision
+    try:
+        Accelerator(cpu=True, mixed_precision="bf16").prepare_model(model)  # what the Trainer's amp does
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
     dtypes = []
     model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: dtypes.append(o.dtype))
     ids = torch.arange(16)[None]
