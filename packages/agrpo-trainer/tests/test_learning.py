@@ -66,7 +66,8 @@ def test_a_tiny_model_learns_against_the_real_server_and_every_sync_lands(
     assert read_curves(tmp_path / "run" / "report.html")["reward"][1] == rewards
     assert {p.pid for p in psutil.Process().children(recursive=True)} == before
     (runtime,) = [h["train_runtime"] for h in history if "train_runtime" in h]
-    assert closing_line(trainer).startswith(f"trained {STEPS} steps in {runtime:.1f} s:")  # the bar's own time
+    line = closing_line(trainer)  # the demo's last line tells the progress bar's own time
+    assert line.startswith(f"trained {STEPS} steps in {runtime:.1f} s:"), line
 
 
 # A Gated DeltaNet hybrid against the real CPU server: Qwen3-Next's layout (fused Gated DeltaNet projections, gated
@@ -159,6 +160,30 @@ def _server_and_trainer_logprobs(server: VLLMServer, model) -> tuple[list[float]
     return choice["logprobs"]["token_logprobs"], ours
 
 
+def _train_with_witness(server, policy, steps, learning_rate, tmp_path, monkeypatch):
+    """The demo's task and settings at `learning_rate` for `steps` steps on `policy` against `server` (one trainer
+    thread: the server's worker holds a core), with a `ProbeWitness`; the reward must rise: the last 6 steps' mean
+    above twice the first 6's and 0.05 above it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        args = demo_config(str(tmp_path / "run"), server.url, steps)
+        args.learning_rate = learning_rate
+        trainer = AsyncGRPOTrainer(policy, CharacterFractionReward(), args=args, train_dataset=PROMPTS)
+        witness = ProbeWitness(monkeypatch)
+        server.wait_healthy()
+        trainer.train()
+    finally:
+        torch.set_num_threads(threads)
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    assert len(rewards) == steps
+    first, last = statistics.mean(rewards[:6]), statistics.mean(rewards[-6:])
+    assert last > 2 * first and last > first + 0.05, (
+        f"mean reward of the first 6 steps {first:.3f}, last 6 {last:.3f}"
+    )
+    return trainer, witness
+
+
 @pytest.mark.server
 def test_a_gated_deltanet_hybrid_learns_against_the_real_server_and_every_sync_lands(
     qwen3_next_server, tmp_path, monkeypatch
@@ -168,28 +193,14 @@ def test_a_gated_deltanet_hybrid_learns_against_the_real_server_and_every_sync_l
     scores a fresh continuation as the trained weights do (mean gap under 0.05 nats in fp32, under 0.02 with them
     cast to bf16 as the server runs them) and unlike the weights it started from (over 1 nat). About 2 minutes
     (server start-up overlapped)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        args = demo_config(str(tmp_path / "run"), qwen3_next_server.url, HYBRID_STEPS)
-        args.learning_rate = HYBRID_LEARNING_RATE
-        model_dir = str(qwen3_next_server.model_dir)
-        policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        for layer in policy.model.layers:
-            layer.mlp.experts.requires_grad_(False)
-        trainer = AsyncGRPOTrainer(policy, CharacterFractionReward(), args=args, train_dataset=PROMPTS)
-        witness = ProbeWitness(monkeypatch)
-        qwen3_next_server.wait_healthy()
-        trainer.train()
-    finally:
-        torch.set_num_threads(threads)
-    history = trainer.state.log_history
-    rewards = [h["reward"] for h in history if "reward" in h]
-    assert len(rewards) == HYBRID_STEPS
-    first, last = statistics.mean(rewards[:6]), statistics.mean(rewards[-6:])
-    assert last > 2 * first and last > first + 0.05, (
-        f"mean reward of the first 6 steps {first:.3f}, last 6 {last:.3f}"
+    model_dir = str(qwen3_next_server.model_dir)
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    for layer in policy.model.layers:
+        layer.mlp.experts.requires_grad_(False)
+    trainer, witness = _train_with_witness(
+        qwen3_next_server, policy, HYBRID_STEPS, HYBRID_LEARNING_RATE, tmp_path, monkeypatch
     )
+    history = trainer.state.log_history
     gaps = [h["sync/logprob_max_abs_diff"] for h in history if "sync/logprob_max_abs_diff" in h]
     means = [h["sync/logprob_mean_abs_diff"] for h in history if "sync/logprob_mean_abs_diff" in h]
     shares = witness.landed_shares()
@@ -270,30 +281,17 @@ def test_windowed_models_learn_against_the_real_server_and_every_sync_lands(
     overlapped)."""
     kind, server = windowed_server
     model_dir = str(server.model_dir)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        args = demo_config(str(tmp_path / "run"), server.url, WINDOWED_STEPS)
-        args.learning_rate = WINDOWED_LEARNING_RATE
-        policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        frozen = _frozen_on_cpu_server(policy)
-        trainer = AsyncGRPOTrainer(policy, CharacterFractionReward(), args=args, train_dataset=PROMPTS)
-        witness = ProbeWitness(monkeypatch)
-        server.wait_healthy()
-        trainer.train()
-    finally:
-        torch.set_num_threads(threads)
-    history = trainer.state.log_history
-    rewards = [h["reward"] for h in history if "reward" in h]
-    assert len(rewards) == WINDOWED_STEPS
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    frozen = _frozen_on_cpu_server(policy)
+    trainer, witness = _train_with_witness(
+        server, policy, WINDOWED_STEPS, WINDOWED_LEARNING_RATE, tmp_path, monkeypatch
+    )
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     first, last = statistics.mean(rewards[:6]), statistics.mean(rewards[-6:])
     gaps = [float(np.abs(s - t).max()) for s, t in zip(witness.server, witness.trained, strict=True)]
     shares = witness.landed_shares()
     print(f"{policy.config.model_type}: reward {first:.3f} -> {last:.3f}; parity probe after each sync: max "
           f"{max(gaps):.3g}; largest landed share {max(shares):.3g}")  # fmt: skip
-    assert last > 2 * first and last > first + 0.05, (
-        f"mean reward of the first 6 steps {first:.3f}, last 6 {last:.3f}"
-    )
     assert len(shares) == len(gaps) - 1 == WINDOWED_STEPS, "a probe per push"
     assert max(gaps) < WINDOWED_MAX_GAP[kind], f"the server left the trainer after a sync: {gaps}"
     assert max(shares) < LANDED_GAP_SHARE, f"a sync did not land: shares {shares}, max gaps {gaps}"

@@ -159,8 +159,8 @@ def _moe_config(spec: TinyModelSpec, special_ids: dict[str, int]):
     )
 
 
-def _moe_shape(spec: TinyModelSpec, special_ids: dict[str, int]) -> dict:
-    """Fields every tiny MoE config shares (names as transformers' configs spell them)."""
+def _shape(spec: TinyModelSpec, special_ids: dict[str, int]) -> dict:
+    """Fields every tiny config shares (names as transformers' configs spell them)."""
     return dict(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
@@ -168,11 +168,15 @@ def _moe_shape(spec: TinyModelSpec, special_ids: dict[str, int]) -> dict:
         num_hidden_layers=spec.num_layers,
         num_attention_heads=spec.num_heads,
         num_key_value_heads=spec.num_kv_heads,
-        num_experts_per_tok=2,
         max_position_embeddings=spec.max_position_embeddings,
         tie_word_embeddings=spec.tie_word_embeddings,
         **special_ids,
     )
+
+
+def _moe_shape(spec: TinyModelSpec, special_ids: dict[str, int]) -> dict:
+    """Fields every tiny MoE config shares: two experts per token."""
+    return _shape(spec, special_ids) | {"num_experts_per_tok": 2}
 
 
 def _olmoe_config(spec: TinyModelSpec, special_ids: dict[str, int]):
@@ -242,19 +246,7 @@ dropping either moves them by about 0.4 nats."""
 
 def _windowed_shape(spec: TinyModelSpec, special_ids: dict[str, int]) -> dict:
     """Fields the windowed kinds' configs share (Gemma 2/3, Mistral)."""
-    return dict(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
-        sliding_window=spec.sliding_window,
-        max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=spec.tie_word_embeddings,
-        **special_ids,
-    )
+    return _shape(spec, special_ids) | {"head_dim": spec.head_dim, "sliding_window": spec.sliding_window}
 
 
 def _gemma2_config(spec: TinyModelSpec, special_ids: dict[str, int]):
