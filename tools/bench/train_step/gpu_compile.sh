@@ -19,8 +19,10 @@ BUDGET=${BUDGET:-540}
   $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
   git log -1 --format='commit %h %cd' 2>/dev/null; date -u; } | tee "$OUT/gpu.txt"
 
-timeout --kill-after=10 330 $PY -m tools.bench.train_step.trainer_run --model qwen3-1.7b --lora both --steps 22 \
-  ${TRAINER_EXTRA:-} --json "$OUT/T_trainer_run.json" 2>&1 | grep -v '^DEBUG\|^[VIW]1[0-9]' | tee "$OUT/T_trainer_run.log"
+if [ "${STEP_T:-on}" = on ]; then  # STEP_T=off: step T ran in an earlier call
+  timeout --kill-after=10 330 $PY -m tools.bench.train_step.trainer_run --model qwen3-1.7b --lora both --steps 22 \
+    ${TRAINER_EXTRA:-} --json "$OUT/T_trainer_run.json" 2>&1 | grep -v '^DEBUG\|^[VIW]1[0-9]' | tee "$OUT/T_trainer_run.log"
+fi
 common="--models qwen3-1.7b --prompts 4 --precision amp --compile on"
 step A_selective 150 $common --checkpointing selective --ratios 1,3.4,8 --idle inline
 step A_cascade 90 $common --checkpointing selective --backend cascade --ratios 3.4,8 --kinds tree
