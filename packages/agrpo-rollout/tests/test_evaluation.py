@@ -370,14 +370,16 @@ def test_the_readmes_eval_commands_are_valid_command_lines():
 
 def test_ctrl_c_keeps_the_finished_rollouts_and_says_where(vllm_server, tmp_path):
     """Ctrl-C while requests are in flight: the server is paused (`keep`) as soon as the first group lands, so
-    the eval is mid-run when the signal comes however fast the tiny model answers (a run that finished first
-    made this test flaky)."""
+    the eval is mid-run when the signal comes however fast the tiny model answers. The child gets SIGINT's
+    default disposition, as a terminal's foreground process has it: a suite started in the background (`cmd &`)
+    ignores SIGINT, and its children inherit that, which made this test flaky."""
     data = _write_rows(tmp_path / "p.jsonl", [{"prompt": f"question {i}", "answer": "1"} for i in range(500)])
     out = tmp_path / "out.jsonl"
     argv = [sys.executable, "-m", "agrpo_rollout", "eval", "--base-url", vllm_server.url, "--model",
             vllm_server.model_name, "--dataset", str(data), "--reward", "exact", "--num-generations", "2",
             "--max-completion-length", "64", "--max-concurrent-rollouts", "2", "--output", str(out), "--no-progress"]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     with httpx.Client(base_url=vllm_server.url, timeout=30) as control:
         try:
             deadline = time.monotonic() + 180
