@@ -383,7 +383,9 @@ def test_ctrl_c_keeps_the_finished_rollouts_and_says_where(vllm_server, tmp_path
     with httpx.Client(base_url=vllm_server.url, timeout=30) as control:
         try:
             deadline = time.monotonic() + 180
-            while not (out.exists() and out.read_text()) and time.monotonic() < deadline and proc.poll() is None:
+            while (
+                not (out.exists() and out.read_text()) and time.monotonic() < deadline and proc.poll() is None
+            ):
                 time.sleep(0.05)
             control.post("/pause", params={"mode": "keep"}).raise_for_status()
             assert proc.poll() is None, "the eval ended before it could be interrupted"

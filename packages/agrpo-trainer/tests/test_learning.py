@@ -20,7 +20,7 @@ import pytest
 import torch
 from report_reader import read_curves
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, TrainerCallback
 
 from agrpo_attention.testing import TinyModelSpec, save_tiny_model
 from agrpo_rollout.testing import VLLMServer
@@ -114,6 +114,8 @@ class ProbeWitness:
         self.trained: list[np.ndarray] = []
         self.before: list[np.ndarray | None] = []
         self._weights: dict[str, torch.Tensor] | None = None
+        self.previous_weights: dict[str, torch.Tensor] | None = None
+        """The weights of the version before the last one probed (what a sync that did not land would leave)."""
         server_sample, trainer_logprobs = ParityProbe.server_sample, ParityProbe.trainer_logprobs
 
         def sampled(probe, model_name):
@@ -131,7 +133,7 @@ class ProbeWitness:
                 before = trainer_logprobs(probe, twin, continuation)
             self.trained.append(ours)
             self.before.append(before)
-            self._weights = weights
+            self.previous_weights, self._weights = self._weights, weights
             return ours
 
         monkeypatch.setattr(ParityProbe, "server_sample", sampled)
@@ -160,28 +162,51 @@ def _server_and_trainer_logprobs(server: VLLMServer, model) -> tuple[list[float]
     return choice["logprobs"]["token_logprobs"], ours
 
 
+SOLVED_REWARD = 0.9
+"""A step whose trained reward reaches this ends the run: past it nearly every group has no reward spread and is
+dropped, and a run that learned fast (the async interleaving varies with the machine's load) stops with
+`NothingTrainedError` before its last step (seen: gpt-oss at 0.97 by step 18 of 24 under load)."""
+
+
+class _StopWhenSolved(TrainerCallback):
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and logs.get("reward", 0.0) >= SOLVED_REWARD:
+            control.should_training_stop = True
+
+
 def _train_with_witness(server, policy, steps, learning_rate, tmp_path, monkeypatch):
-    """The demo's task and settings at `learning_rate` for `steps` steps on `policy` against `server` (one trainer
-    thread: the server's worker holds a core), with a `ProbeWitness`; the reward must rise: the last 6 steps' mean
-    above twice the first 6's and 0.05 above it."""
+    """The demo's task and settings at `learning_rate` for up to `steps` steps on `policy` against `server` (one
+    trainer thread: the server's worker holds a core), with a `ProbeWitness`, ending early once solved
+    (`SOLVED_REWARD`); the reward must rise: the last 6 steps' mean (a half of a shorter run) above twice the first
+    6's and 0.05 above it."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         args = demo_config(str(tmp_path / "run"), server.url, steps)
         args.learning_rate = learning_rate
-        trainer = AsyncGRPOTrainer(policy, CharacterFractionReward(), args=args, train_dataset=PROMPTS)
+        trainer = AsyncGRPOTrainer(
+            policy, CharacterFractionReward(), args=args, train_dataset=PROMPTS, callbacks=[_StopWhenSolved()]
+        )
         witness = ProbeWitness(monkeypatch)
         server.wait_healthy()
         trainer.train()
     finally:
         torch.set_num_threads(threads)
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-    assert len(rewards) == steps
-    first, last = statistics.mean(rewards[:6]), statistics.mean(rewards[-6:])
+    assert len(rewards) == trainer.state.global_step and (
+        len(rewards) == steps or rewards[-1] >= SOLVED_REWARD
+    )
+    first, last = _first_and_last_mean(rewards)
     assert last > 2 * first and last > first + 0.05, (
         f"mean reward of the first 6 steps {first:.3f}, last 6 {last:.3f}"
     )
     return trainer, witness
+
+
+def _first_and_last_mean(rewards: list[float]) -> tuple[float, float]:
+    """Mean reward of the first and the last 6 steps (of each half of a run shorter than 12)."""
+    k = min(6, len(rewards) // 2)
+    return statistics.mean(rewards[:k]), statistics.mean(rewards[-k:])
 
 
 @pytest.mark.server
@@ -190,9 +215,10 @@ def test_a_gated_deltanet_hybrid_learns_against_the_real_server_and_every_sync_l
 ):
     """Qwen3-Next's layout trained on tree rows by `AsyncGRPOTrainer`, end to end: the reward rises, every sync's
     parity probe finds the server nearer the new weights than the version before, and after the run the server
-    scores a fresh continuation as the trained weights do (mean gap under 0.05 nats in fp32, under 0.02 with them
-    cast to bf16 as the server runs them) and unlike the weights it started from (over 1 nat). About 2 minutes
-    (server start-up overlapped)."""
+    scores a fresh continuation as the trained weights do, read as the probe reads it (`LANDED_GAP_SHARE` of its
+    gap to the weights of the version before: a bf16 server's absolute gap to an fp32 trainer grows with training,
+    a mean of 0.034 nats seen after one run where another gave 1.1e-3) and unlike the weights it started from (over
+    1 nat). About 2 minutes (server start-up overlapped)."""
     model_dir = str(qwen3_next_server.model_dir)
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     for layer in policy.model.layers:
@@ -206,24 +232,30 @@ def test_a_gated_deltanet_hybrid_learns_against_the_real_server_and_every_sync_l
     shares = witness.landed_shares()
     print(f"parity probe after each sync: max {max(gaps):.3g}, largest mean {max(means):.3g}; "
           f"server nearer the new weights than the old: largest share {max(shares):.3g}")  # fmt: skip
-    assert len(gaps) == len(means) == HYBRID_STEPS, "one parity probe per sync"
-    assert len(shares) == len(witness.server) - 1 == HYBRID_STEPS, "a push at train begin, then one per step"
+    steps = trainer.state.global_step
+    assert len(gaps) == len(means) == steps, "one parity probe per sync"
+    assert len(shares) == len(witness.server) - 1 == steps, "a push at train begin, then one per step"
     assert max(shares) < LANDED_GAP_SHARE, (
         f"a sync did not land: shares {shares}, max gaps {gaps}, means {means}"
     )
     start = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     stock = copy.deepcopy(start)  # the trained weights in a stock (not tree-enabled) model
     stock.load_state_dict(trainer.model.state_dict())
+    before = copy.deepcopy(start)
+    before.load_state_dict(witness.previous_weights)
     served, trained = _server_and_trainer_logprobs(qwen3_next_server, stock)
-    _, trained_bf16 = _server_and_trainer_logprobs(qwen3_next_server, copy.deepcopy(stock).bfloat16())
+    _, previous = _server_and_trainer_logprobs(qwen3_next_server, before)
     _, initial = _server_and_trainer_logprobs(qwen3_next_server, start)
-    gap, gap_bf16, moved = (
+    gap, gap_before, moved = (
         statistics.mean(abs(a - b) for a, b in zip(served, ours, strict=True))
-        for ours in (trained, trained_bf16, initial)
+        for ours in (trained, previous, initial)
     )
-    # seen: 1.1e-3 against the trained fp32 weights, 3.7e-4 against them cast to bf16, 5.9 against the start
-    assert gap < 0.05 and gap_bf16 < 0.02 and moved > 1.0, (
-        f"mean |server - trainer| log-prob: fp32 {gap:.3g}, bf16 {gap_bf16:.3g}, initial weights {moved:.3g}"
+    print(f"after the run: mean |server - trained| {gap:.3g}, - the version before {gap_before:.3g}, "
+          f"- the start {moved:.3g}")  # fmt: skip
+    # seen: 1.1e-3 and 0.034 against the trained weights, 5.9 and 3.2 against the start
+    assert gap < LANDED_GAP_SHARE * gap_before and moved > 1.0, (
+        f"mean |server - trainer| log-prob: trained {gap:.3g}, the version before {gap_before:.3g}, "
+        f"initial weights {moved:.3g}"
     )
 
 
@@ -287,12 +319,12 @@ def test_windowed_models_learn_against_the_real_server_and_every_sync_lands(
         server, policy, WINDOWED_STEPS, WINDOWED_LEARNING_RATE, tmp_path, monkeypatch
     )
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-    first, last = statistics.mean(rewards[:6]), statistics.mean(rewards[-6:])
+    first, last = _first_and_last_mean(rewards)
     gaps = [float(np.abs(s - t).max()) for s, t in zip(witness.server, witness.trained, strict=True)]
     shares = witness.landed_shares()
     print(f"{policy.config.model_type}: reward {first:.3f} -> {last:.3f}; parity probe after each sync: max "
           f"{max(gaps):.3g}; largest landed share {max(shares):.3g}")  # fmt: skip
-    assert len(shares) == len(gaps) - 1 == WINDOWED_STEPS, "a probe per push"
+    assert len(shares) == len(gaps) - 1 == trainer.state.global_step, "a probe per push"
     assert max(gaps) < WINDOWED_MAX_GAP[kind], f"the server left the trainer after a sync: {gaps}"
     assert max(shares) < LANDED_GAP_SHARE, f"a sync did not land: shares {shares}, max gaps {gaps}"
     (last_sent,) = {f for f in (tmp_path / "run").rglob("*.safetensors") if ".vllm_weights" in f.parts}
