@@ -291,8 +291,10 @@ recorded CPU-server rollouts, 1.7B shape, auto -> none) put the step's gradients
 eager bf16's (2.87e-1 vs 7.62e-2, cosine 0.959, even from layer 0 on) and its loss 10x as far (7.6e-3 vs 7.7e-4),
 and compiled one new graph over 20 steps of fresh rows; the bench's own step on its synthetic 16k rows passes the
 same check (docs/benchmarks.md). That check's fp32 reference ran through accelerate's autocast wrapper, so its
-layers were bf16 (issue 38: on CPU 1.86 as measured, 0.93 against a true fp32 step). Turn on when `gpu_compile.sh`
-step T passes with the corrected reference."""
+layers were bf16 (issue 38: on CPU 1.86 as measured, 0.93 against a true fp32 step; on one H100 on 2026-12-07 step T
+passed parity against a true fp32 step, ratio 1.02 full fine-tuning and 0.82 LoRA, no graph break). Still off: that
+run's full fine-tuning compiled one new graph at step 18, its first row of exactly the token budget, for a reason not
+yet named (`TORCH_LOGS=recompiles` on a GPU names it). Turn on when step T passes whole."""
 
 
 def default_torch_compile(*, use_cpu: bool, fsdp: bool, named: bool) -> bool:
